@@ -1,0 +1,52 @@
+# Ratchet: `make demo` and `make test` work on a fresh clone; they create .venv and install what is missing.
+# GPU users: make install TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.ratchet-installed
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export MLFLOW_ENABLE_TELEMETRY ?= false
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-all lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/ratchet demo
+
+test: install
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: install
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	$(PY) bench/ingest.py
+	$(PY) bench/train.py
+	$(PY) bench/overhead.py
+	$(PY) bench/serve.py
+
+clean:
+	rm -rf .ratchet .pytest_cache build *.egg-info

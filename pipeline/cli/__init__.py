@@ -1,0 +1,59 @@
+"""The ``ratchet`` command line. Each sub-module adds its commands to ``app``.
+
+Heavy libraries (torch, mlflow, prefect, transformers) are imported inside the commands that
+use them, so ``ratchet --help`` stays fast. A ``RatchetError`` (the user's mistake) is printed as
+one line on stderr with a non-zero exit; anything else is our bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import typer
+
+from pipeline.errors import RatchetError
+
+app = typer.Typer(
+    name="ratchet",
+    help="Ratchet: recursive self-improvement of model-harness pairs under an HCP contract.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_commands() -> None:
+    # Imported for their side effect of adding commands to ``app``.
+    from pipeline.cli import core  # noqa: F401
+
+    for name in ("contract", "advance", "serve"):
+        try:
+            __import__(f"pipeline.cli.{name}")
+        except ModuleNotFoundError as exc:  # a command group not built yet
+            if exc.name != f"pipeline.cli.{name}":
+                raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``ratchet`` console script."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _register_commands()
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="ratchet", standalone_mode=False)
+    except RatchetError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

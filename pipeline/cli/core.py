@@ -1,0 +1,168 @@
+"""Core commands: database, init, ingest, score."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import app
+from pipeline.errors import RatchetError
+
+db_app = typer.Typer(
+    help="Create, upgrade or downgrade the registry's schema (Alembic migrations).", no_args_is_help=True
+)
+app.add_typer(db_app, name="db")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _settings():
+    from pipeline.settings import get_settings
+
+    settings = get_settings()
+    settings.ensure_home()
+    return settings
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from pipeline.registry import current_revision, upgrade_db
+
+    url = _settings().registry_url
+    upgrade_db(url, revision)
+    typer.echo(f"registry at revision {current_revision(url)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision, or 'base' to drop every table.")],
+) -> None:
+    """Revert migrations down to REVISION."""
+    from pipeline.registry import current_revision, downgrade_db
+
+    url = _settings().registry_url
+    downgrade_db(url, revision)
+    typer.echo(f"registry at revision {current_revision(url) or 'base'}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the registry's URL and schema revision."""
+    from sqlalchemy.engine import make_url
+
+    from pipeline.registry import current_revision
+
+    url = _settings().registry_url
+    typer.echo(
+        f"{make_url(url).render_as_string(hide_password=True)} at revision {current_revision(url) or 'base'}"
+    )
+
+
+@app.command("init")
+def init(
+    contract: Annotated[Path, typer.Option(help="HCP contract YAML.")] = REPO_ROOT
+    / "contracts"
+    / "demo.yaml",
+    harness: Annotated[Path, typer.Option(help="Harness YAML.")] = REPO_ROOT / "harnesses" / "demo.yaml",
+    model: Annotated[Path, typer.Option(help="Model spec YAML.")] = REPO_ROOT / "models" / "tiny.yaml",
+    lineage: Annotated[str, typer.Option(help="Lineage name.")] = "main",
+) -> None:
+    """Register a contract, harness and base model, and create generation 0 (the first champion)."""
+    from pipeline.lineage import init_lineage
+
+    result = init_lineage(contract_path=contract, harness_path=harness, model_path=model, lineage=lineage)
+    typer.echo(result.describe())
+
+
+@app.command("ingest")
+def ingest(
+    files: Annotated[list[Path], typer.Argument(help="JSONL files, one trace per line.")],
+    source: Annotated[str, typer.Option(help="deployment, simulation, import or evaluation.")] = "import",
+    generation: Annotated[
+        int | None, typer.Option(help="Generation that served these traces (default: the champion).")
+    ] = None,
+    lineage: Annotated[str, typer.Option(help="Lineage of --generation.")] = "main",
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows per insert batch.")] = 2000,
+) -> None:
+    """Stream traces into the registry; malformed lines are quarantined with their line number and reason."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from pipeline.experience import ingest_file
+    from pipeline.registry import get_champion, get_engine, get_generation, session_scope
+
+    engine = get_engine()
+    gen_id = harness_id = None
+    with session_scope(engine) as session:
+        gen = (
+            get_generation(session=session, number=generation, lineage=lineage)
+            if generation is not None
+            else get_champion(session=session, lineage=lineage)
+        )
+        if gen is not None:
+            gen_id, harness_id = gen.id, gen.harness_version_id
+    failed = False
+    for path in files:
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        ) as bar:
+            task = bar.add_task(f"ingest {path.name}", total=None)
+            result = ingest_file(
+                path,
+                session_factory=lambda: session_scope(engine),
+                source=source,
+                generation_id=gen_id,
+                harness_version_id=harness_id,
+                batch_size=batch_size,
+                progress=lambda done, total, task=task: bar.update(task, completed=done, total=total),
+            )
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(result.reasons.items()))
+        typer.echo(
+            f"{path}: {result.lines} lines: {result.stored} stored, {result.duplicate} duplicate, "
+            f"{result.quarantined} quarantined" + (f" ({reasons})" if reasons else "")
+        )
+        failed |= result.lines == 0
+    if failed:
+        raise RatchetError("no traces found in at least one file (expected one JSON object per line)")
+
+
+@app.command("score")
+def score(
+    contract: Annotated[
+        str | None, typer.Option(help="Contract name (default: the champion's contract).")
+    ] = None,
+    version: Annotated[str | None, typer.Option(help="Contract version (default: the newest).")] = None,
+    lineage: Annotated[str, typer.Option(help="Lineage whose champion's contract is the default.")] = "main",
+) -> None:
+    """Score every unscored trace under a contract version; earlier versions' scores are kept."""
+    from rich.progress import Progress
+
+    from pipeline.registry import get_champion, get_contract_version, get_engine, session_scope
+    from pipeline.scoring import score_experience
+
+    engine = get_engine()
+    with session_scope(engine) as session:
+        if contract is None:
+            champion = get_champion(session=session, lineage=lineage)
+            if champion is None:
+                raise RatchetError("no champion yet: run `ratchet init`, or name a registered --contract")
+            cv = champion.contract_version
+        else:
+            cv = get_contract_version(session=session, name=contract, version=version)
+        cv_id, label = cv.id, f"{cv.name} {cv.version}"
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"score under {label}", total=None)
+        with session_scope(engine) as session:
+            result = score_experience(
+                session=session,
+                contract_version_id=cv_id,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    typer.echo(f"scored under {label}: {result}")

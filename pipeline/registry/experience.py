@@ -1,0 +1,129 @@
+"""Experience rows: bulk insert (idempotent by content hash), quarantine, feedback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, String, Table, Text, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from pipeline.errors import NotFoundError, RatchetError
+from pipeline.registry.models import Experience, Quarantine, UTCDateTime, utcnow
+from pipeline.registry.versions import audit
+
+# The experience table seen as plain text columns: bulk ingest passes JSON it has already serialised,
+# so SQLAlchemy does no per-value work beyond what the driver does.
+_raw = Table(
+    "experience",
+    MetaData(),
+    Column("id", Integer, primary_key=True),
+    Column("content_hash", String(64)),
+    Column("completion_id", String(100)),
+    Column("messages", Text),
+    Column("metadata", Text),
+    Column("feedback", Text),
+    Column("routes", Text),
+    Column("specialist", String(100)),
+    Column("source", String(32)),
+    Column("generation_id", Integer),
+    Column("harness_version_id", Integer),
+    Column("created_at", UTCDateTime),
+)
+
+SOURCES = ("deployment", "simulation", "import", "evaluation")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One trace ready for insertion: JSON fields already serialised (canonical, sorted keys)."""
+
+    content_hash: str
+    messages: str
+    metadata: str
+    feedback: str | None
+    routes: str
+    specialist: str | None
+    source: str
+    generation_id: int | None = None
+    harness_version_id: int | None = None
+    completion_id: str | None = None
+
+
+def _insert_ignoring_duplicates(session: Session):
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":
+        return sqlite.insert(_raw).on_conflict_do_nothing(index_elements=["content_hash"])
+    if dialect == "postgresql":
+        return postgresql.insert(_raw).on_conflict_do_nothing(index_elements=["content_hash"])
+    raise RatchetError(f"unsupported database dialect {dialect!r}: use SQLite or PostgreSQL")
+
+
+def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime | None = None) -> int:
+    """Insert traces, skipping any whose content hash is already stored. Returns how many were new."""
+    if not rows:
+        return 0
+    created = now or utcnow()
+    params = [
+        {
+            "content_hash": r.content_hash,
+            "completion_id": r.completion_id,
+            "messages": r.messages,
+            "metadata": r.metadata,
+            "feedback": r.feedback,
+            "routes": r.routes,
+            "specialist": r.specialist,
+            "source": r.source,
+            "generation_id": r.generation_id,
+            "harness_version_id": r.harness_version_id,
+            "created_at": created,
+        }
+        for r in rows
+    ]
+    result = session.execute(_insert_ignoring_duplicates(session), params)
+    return max(result.rowcount, 0)
+
+
+def quarantine_lines(*, session: Session, source_file: str, entries: Sequence[tuple[int, str, str]]) -> None:
+    """Keep malformed input: (line number, reason, raw text) per entry."""
+    now = utcnow()
+    session.add_all(
+        Quarantine(source_file=source_file, line_number=n, reason=reason, raw=raw, created_at=now)
+        for n, reason, raw in entries
+    )
+    session.flush()
+
+
+def attach_feedback(
+    *,
+    session: Session,
+    completion_id: str,
+    rating: float | None = None,
+    correction: str | None = None,
+    actor: str = "user",
+) -> Experience:
+    """Attach a rating and/or a corrected answer to the served turn with ``completion_id``."""
+    if rating is None and correction is None:
+        raise RatchetError("feedback needs a rating, a correction, or both")
+    row = session.scalar(select(Experience).where(Experience.completion_id == completion_id))
+    if row is None:
+        raise NotFoundError(f"no served completion with id {completion_id!r}")
+    feedback: dict[str, Any] = dict(row.feedback) if isinstance(row.feedback, dict) else {}
+    if rating is not None:
+        feedback["rating"] = rating
+    if correction is not None:
+        feedback["correction"] = correction
+    row.feedback = feedback
+    session.flush()
+    audit(
+        session=session,
+        actor=actor,
+        entity="experience",
+        entity_id=row.id,
+        action="feedback",
+        details={"completion_id": completion_id, "rating": rating, "has_correction": correction is not None},
+    )
+    return row

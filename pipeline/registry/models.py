@@ -1,0 +1,282 @@
+"""The registry's tables as SQLAlchemy 2 typed models.
+
+The schema is made only by Alembic migrations (``migrations/``); a drift test compares these
+models with the migrations. JSON documents are stored as text (``JSONText``) so that SQLite and
+PostgreSQL behave the same and bulk ingest can pass pre-serialised JSON.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class JSONText(TypeDecorator):
+    """A JSON document stored as TEXT (same on SQLite and PostgreSQL)."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> str | None:
+        if value is None:
+            return None
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+    def process_result_value(self, value: str | None, dialect: Any) -> Any:
+        return None if value is None else json.loads(value)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC timestamps on both backends (SQLite drops the zone; we put it back)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+class GenerationStatus(enum.StrEnum):
+    candidate = "candidate"
+    training = "training"
+    evaluating = "evaluating"
+    promoted = "promoted"
+    rejected = "rejected"
+    failed = "failed"
+    retired = "retired"
+
+
+IN_FLIGHT = (GenerationStatus.candidate, GenerationStatus.training, GenerationStatus.evaluating)
+STATUS_LEN = 16
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class BaseModelRow(Base):
+    """A frozen base model (a local Hugging Face causal-LM directory or the built tiny model)."""
+
+    __tablename__ = "base_models"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(Text)
+    spec: Mapped[dict] = mapped_column(JSONText)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class HarnessVersion(Base):
+    """A content-addressed harness: prompts, tools, context and routing policy."""
+
+    __tablename__ = "harness_versions"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    version: Mapped[str] = mapped_column(String(100))
+    content_hash: Mapped[str] = mapped_column(String(64), index=True)
+    spec: Mapped[dict] = mapped_column(JSONText)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("harness_versions.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ContractVersion(Base):
+    """A content-addressed HCP contract. The loop never edits one; a new version is a new row."""
+
+    __tablename__ = "contract_versions"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    version: Mapped[str] = mapped_column(String(100))
+    content_hash: Mapped[str] = mapped_column(String(64), index=True)
+    spec: Mapped[dict] = mapped_column(JSONText)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Adapter(Base):
+    """One trained LoRA adapter for one specialist; the files live at ``artifact_uri``."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("base_model_id", "specialist", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    specialist: Mapped[str] = mapped_column(String(100))
+    version: Mapped[int] = mapped_column(Integer)
+    base_model_id: Mapped[int] = mapped_column(ForeignKey("base_models.id"))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list] = mapped_column(JSONText)
+    artifact_uri: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    mlflow_model_version: Mapped[str | None] = mapped_column(String(32))
+    dataset_sha256: Mapped[str | None] = mapped_column(String(64))
+    parent_adapter_id: Mapped[int | None] = mapped_column(ForeignKey("adapters.id"))
+    metrics: Mapped[dict] = mapped_column(JSONText, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Generation(Base):
+    """A model-harness pair in a lineage. At most one is ``promoted`` (the champion) per lineage and
+    at most one is in flight (candidate/training/evaluating); both are enforced by partial indexes."""
+
+    __tablename__ = "generations"
+    __table_args__ = (
+        UniqueConstraint("lineage", "number"),
+        Index(
+            "uq_generations_one_champion",
+            "lineage",
+            unique=True,
+            sqlite_where=text("status = 'promoted'"),
+            postgresql_where=text("status = 'promoted'"),
+        ),
+        Index(
+            "uq_generations_one_in_flight",
+            "lineage",
+            unique=True,
+            sqlite_where=text("status IN ('candidate', 'training', 'evaluating')"),
+            postgresql_where=text("status IN ('candidate', 'training', 'evaluating')"),
+        ),
+    )
+    id: Mapped[int] = mapped_column(primary_key=True)
+    lineage: Mapped[str] = mapped_column(String(100), default="main")
+    number: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("generations.id"))
+    base_model_id: Mapped[int] = mapped_column(ForeignKey("base_models.id"))
+    harness_version_id: Mapped[int] = mapped_column(ForeignKey("harness_versions.id"))
+    contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"))
+    status: Mapped[str] = mapped_column(String(STATUS_LEN))
+    step: Mapped[str | None] = mapped_column(String(32))
+    decision: Mapped[str | None] = mapped_column(Text)
+    evaluation: Mapped[dict] = mapped_column(JSONText, default=dict)
+    state: Mapped[dict] = mapped_column(JSONText, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+    adapters: Mapped[list[GenerationAdapter]] = relationship(
+        back_populates="generation", cascade="all, delete-orphan", order_by="GenerationAdapter.specialist"
+    )
+    harness_version: Mapped[HarnessVersion] = relationship()
+    contract_version: Mapped[ContractVersion] = relationship()
+    base_model: Mapped[BaseModelRow] = relationship()
+
+
+class GenerationAdapter(Base):
+    """Exactly one row per specialist of a generation; ``adapter_id`` is NULL for "none yet"."""
+
+    __tablename__ = "generation_adapters"
+    generation_id: Mapped[int] = mapped_column(
+        ForeignKey("generations.id", ondelete="CASCADE"), primary_key=True
+    )
+    specialist: Mapped[str] = mapped_column(String(100), primary_key=True)
+    adapter_id: Mapped[int | None] = mapped_column(ForeignKey("adapters.id"))
+
+    generation: Mapped[Generation] = relationship(back_populates="adapters")
+    adapter: Mapped[Adapter | None] = relationship()
+
+
+class Experience(Base):
+    """One trace: a conversation in OpenAI chat format with its per-turn routing and feedback."""
+
+    __tablename__ = "experience"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    content_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    completion_id: Mapped[str | None] = mapped_column(String(100), unique=True)
+    messages: Mapped[list] = mapped_column(JSONText)
+    meta: Mapped[dict] = mapped_column("metadata", JSONText, default=dict)
+    feedback: Mapped[Any | None] = mapped_column(JSONText)
+    routes: Mapped[list] = mapped_column(JSONText, default=list)
+    specialist: Mapped[str | None] = mapped_column(String(100), index=True)
+    source: Mapped[str] = mapped_column(String(32), index=True)
+    generation_id: Mapped[int | None] = mapped_column(ForeignKey("generations.id"), index=True)
+    harness_version_id: Mapped[int | None] = mapped_column(ForeignKey("harness_versions.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class Score(Base):
+    """One scorer's value for one trace under one contract version."""
+
+    __tablename__ = "scores"
+    __table_args__ = (UniqueConstraint("experience_id", "contract_version_id", "scorer"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    experience_id: Mapped[int] = mapped_column(ForeignKey("experience.id", ondelete="CASCADE"))
+    contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"), index=True)
+    scorer: Mapped[str] = mapped_column(String(100))
+    value: Mapped[float | None] = mapped_column(Float)
+    details: Mapped[dict] = mapped_column(JSONText, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Quarantine(Base):
+    """A malformed input line, kept with its line number and the reason it was refused."""
+
+    __tablename__ = "quarantine"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    source_file: Mapped[str] = mapped_column(Text)
+    line_number: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    raw: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TrainingDataset(Base):
+    """A curated SFT dataset (``datasets.save_to_disk``) for one specialist of one generation."""
+
+    __tablename__ = "datasets"
+    __table_args__ = (UniqueConstraint("generation_id", "specialist"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    generation_id: Mapped[int] = mapped_column(ForeignKey("generations.id", ondelete="CASCADE"))
+    specialist: Mapped[str] = mapped_column(String(100))
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    num_rows: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AuditLog(Base):
+    """Append-only record of every state change (never updated or deleted by product code)."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(100))
+    entity: Mapped[str] = mapped_column(String(50))
+    entity_id: Mapped[int | None] = mapped_column(Integer)
+    action: Mapped[str] = mapped_column(String(50))
+    details: Mapped[dict] = mapped_column(JSONText, default=dict)
+    message: Mapped[str | None] = mapped_column(Text)

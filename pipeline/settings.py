@@ -1,0 +1,61 @@
+"""The one ``Settings`` object: every knob that comes from the environment (prefix ``RATCHET_``)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Runtime settings, read from ``RATCHET_*`` environment variables (and ``MLFLOW_TRACKING_URI``)."""
+
+    model_config = SettingsConfigDict(env_prefix="RATCHET_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".ratchet"),
+        description="Working directory for the registry file, MLflow store, adapters, datasets and caches.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the registry; default: a SQLite file under `home`.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("MLFLOW_TRACKING_URI", "RATCHET_MLFLOW_TRACKING_URI"),
+        description="MLflow tracking URI; default: a SQLite store under `home`.",
+    )
+    api_key: str | None = Field(
+        default=None, description="When set, `ratchet serve` requires this bearer key."
+    )
+    device: str = Field(default="auto", description="Torch device for training and serving: auto, cpu, cuda.")
+
+    @property
+    def registry_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'registry.db').resolve()}"
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri
+        return f"sqlite:///{(self.home / 'mlflow.db').resolve()}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.home / "artifacts"
+
+    def ensure_home(self) -> Path:
+        self.home.mkdir(parents=True, exist_ok=True)
+        return self.home
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings; tests call ``get_settings.cache_clear()`` after changing the environment."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    return Settings()
