@@ -63,40 +63,52 @@ def _check_tool_calls(calls: Any, where: str) -> None:
 
 def validate_trace(obj: Any) -> dict[str, Any]:
     """Check one decoded trace against the OpenAI chat shape; raise ``TraceError`` naming the bad field."""
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise TraceError(f"expected a JSON object per line, got {type(obj).__name__}")
-    unknown = obj.keys() - TRACE_KEYS
-    if unknown:
-        raise TraceError(f"unknown field(s) {sorted(unknown)}; expected {sorted(TRACE_KEYS)}")
+    for key in obj:
+        if key not in TRACE_KEYS:
+            raise TraceError(f"unknown field {key!r}; expected {sorted(TRACE_KEYS)}")
     messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if type(messages) is not list or not messages:
         raise TraceError("messages: expected a non-empty list of chat messages")
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise TraceError(f"{where}: expected an object with 'role' and 'content'")
+        if type(msg) is not dict:
+            raise TraceError(f"messages[{i}]: expected an object with 'role' and 'content'")
+        for key in msg:
+            if key not in MESSAGE_KEYS:
+                raise TraceError(f"messages[{i}]: unknown field {key!r}")
         role = msg.get("role")
         if role not in ROLES:
-            raise TraceError(f"{where}.role: expected one of {sorted(ROLES)}, got {role!r}")
-        extra = msg.keys() - MESSAGE_KEYS
-        if extra:
-            raise TraceError(f"{where}: unknown field(s) {sorted(extra)}")
-        if "content" not in msg and not msg.get("tool_calls"):
-            raise TraceError(f"{where}: missing 'content'")
-        _check_content(msg.get("content"), where)
+            raise TraceError(f"messages[{i}].role: expected one of {sorted(ROLES)}, got {role!r}")
+        content = msg.get("content")
+        if type(content) is not str:
+            if "content" not in msg and not msg.get("tool_calls"):
+                raise TraceError(f"messages[{i}]: missing 'content'")
+            _check_content(content, f"messages[{i}]")
         if "tool_calls" in msg:
             if role != "assistant":
-                raise TraceError(f"{where}.tool_calls: only assistant messages make tool calls")
-            _check_tool_calls(msg["tool_calls"], where)
-        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
-            raise TraceError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
-    metadata = obj.get("metadata", {})
+                raise TraceError(f"messages[{i}].tool_calls: only assistant messages make tool calls")
+            _check_tool_calls(msg["tool_calls"], f"messages[{i}]")
+        elif role == "tool" and type(msg.get("tool_call_id")) is not str:
+            raise TraceError(
+                f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers"
+            )
+    metadata = obj.get("metadata")
     if metadata is None:
         metadata = {}
-    if not isinstance(metadata, dict):
+    elif type(metadata) is not dict:
         raise TraceError("metadata: expected an object")
     feedback = obj.get("feedback")
-    if feedback is not None and not isinstance(feedback, int | float | dict) or isinstance(feedback, bool):
+    if feedback is not None:
+        _check_feedback(feedback)
+    routes = obj.get("routes") or []
+    if type(routes) is not list or any(type(r) is not dict or "specialist" not in r for r in routes):
+        raise TraceError("routes: expected a list of {'turn': int, 'specialist': str, ...}")
+    return {"messages": messages, "metadata": metadata, "feedback": feedback, "routes": routes}
+
+
+def _check_feedback(feedback: Any) -> None:
+    if isinstance(feedback, bool) or not isinstance(feedback, int | float | dict):
         raise TraceError("feedback: expected null, a number, or {'rating': number, 'correction': str}")
     if isinstance(feedback, dict):
         if feedback.keys() - {"rating", "correction", "comment"}:
@@ -106,10 +118,6 @@ def validate_trace(obj: Any) -> dict[str, Any]:
             raise TraceError("feedback.rating: expected a number")
         if feedback.get("correction") is not None and not isinstance(feedback["correction"], str):
             raise TraceError("feedback.correction: expected a string")
-    routes = obj.get("routes", [])
-    if not isinstance(routes, list) or any(not isinstance(r, dict) or "specialist" not in r for r in routes):
-        raise TraceError("routes: expected a list of {'turn': int, 'specialist': str, ...}")
-    return {"messages": messages, "metadata": metadata, "feedback": feedback, "routes": routes}
 
 
 def trace_row(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, select
@@ -32,6 +32,12 @@ _raw = Table(
     Column("generation_id", Integer),
     Column("harness_version_id", Integer),
     Column("created_at", UTCDateTime),
+)
+
+_SQLITE_INSERT = (
+    "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist, "
+    "source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT (content_hash) DO NOTHING"
 )
 
 SOURCES = ("deployment", "simulation", "import", "evaluation")
@@ -67,6 +73,30 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
     if not rows:
         return 0
     created = now or utcnow()
+    if session.get_bind().dialect.name == "sqlite":
+        # Through the driver directly, inside the session's transaction: no per-value work in Python.
+        # sqlite3's executemany reports the rows really inserted (conflicts excluded).
+        stamp = created.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+        cursor = session.connection().exec_driver_sql(
+            _SQLITE_INSERT,
+            [
+                (
+                    r.content_hash,
+                    r.completion_id,
+                    r.messages,
+                    r.metadata,
+                    r.feedback,
+                    r.routes,
+                    r.specialist,
+                    r.source,
+                    r.generation_id,
+                    r.harness_version_id,
+                    stamp,
+                )
+                for r in rows
+            ],
+        )
+        return max(cursor.rowcount, 0)
     params = [
         {
             "content_hash": r.content_hash,
@@ -83,8 +113,9 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
         }
         for r in rows
     ]
-    result = session.execute(_insert_ignoring_duplicates(session), params)
-    return max(result.rowcount, 0)
+    # psycopg's batched executemany does not report inserted rows; RETURNING yields only those.
+    stmt = _insert_ignoring_duplicates(session)
+    return len(session.execute(stmt.returning(_raw.c.id), params).all())
 
 
 def quarantine_lines(*, session: Session, source_file: str, entries: Sequence[tuple[int, str, str]]) -> None:
