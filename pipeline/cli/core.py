@@ -163,6 +163,11 @@ def score(
             result = score_experience(
                 session=session,
                 contract_version_id=cv_id,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
+                progress=lambda done: bar.update(task, completed=done),
             )
-    typer.echo(f"scored under {label}: {result}")
+    per = ", ".join(f"{k}: {v}" for k, v in sorted(result.by_specialist.items()))
+    typer.echo(
+        f"scored under {label}: {result.scored} traces ({result.rows} score rows), {result.already_scored} "
+        f"already scored, {result.unscorable} unscorable, {result.errors} scorer errors"
+        + (f"; {per}" if per else "")
+    )

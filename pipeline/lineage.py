@@ -1,0 +1,152 @@
+"""Starting a lineage: register the contract, harness and base model, and create generation 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import ConflictError, NotFoundError, RatchetError
+
+
+@dataclass(frozen=True)
+class InitResult:
+    """What ``init_lineage`` registered."""
+
+    lineage: str
+    generation: int
+    created: bool
+    contract: str
+    harness: str
+    base_model: str
+    base_path: str
+    specialists: list[str]
+
+    def describe(self) -> str:
+        verb = "created" if self.created else "already initialised:"
+        return (
+            f"lineage {self.lineage!r} {verb} generation {self.generation} (champion); contract {self.contract}, "
+            f"harness {self.harness}, base {self.base_model} at {self.base_path}; "
+            f"specialists: {', '.join(self.specialists)}"
+        )
+
+
+def base_model_dir(*, home: Path, name: str, spec_hash: str) -> Path:
+    """Where the built tiny base model of a model spec lives (built on first use)."""
+    return (home / "models" / f"{name}-{spec_hash[:12]}").resolve()
+
+
+def init_lineage(
+    *,
+    contract_path: Path,
+    harness_path: Path,
+    model_path: Path,
+    lineage: str = "main",
+    actor: str = "user",
+) -> InitResult:
+    """Register the three specs (content-addressed) and create generation 0 as the lineage's champion.
+
+    Running it again with the same files is a no-op; with different files for an existing lineage it is
+    refused (start another lineage with ``--lineage``).
+    """
+    from pipeline.contract import load_contract
+    from pipeline.harness import load_harness, require_compatible
+    from pipeline.modelspec import load_model_spec, model_spec_hash
+    from pipeline.registry import (
+        create_generation,
+        get_engine,
+        list_generations,
+        promote_generation,
+        register_base_model,
+        register_contract,
+        register_harness,
+        session_scope,
+    )
+    from pipeline.settings import get_settings
+
+    contract = load_contract(contract_path)
+    harness = load_harness(harness_path)
+    model = load_model_spec(model_path)
+    require_compatible(harness, contract)
+    specialists = sorted(model.specialists)
+    for what, names in (("harness", harness.specialists), ("contract", contract.specialists)):
+        missing = [s for s in specialists if s not in names]
+        if missing:
+            raise RatchetError(
+                f"{model_path}: specialists {missing} have no entry in the {what} ({what} declares "
+                f"{', '.join(sorted(names))})"
+            )
+    if model.base.path is not None:
+        base_path = Path(model.base.path).expanduser()
+        if not base_path.is_absolute():
+            base_path = (Path(model_path).resolve().parent / base_path).resolve()
+        if not (base_path / "config.json").is_file():
+            raise NotFoundError(
+                f"{model_path}: base.path {str(base_path)!r} is not a Hugging Face model directory (no config.json)"
+            )
+    else:
+        base_path = base_model_dir(
+            home=get_settings().ensure_home(), name=model.name, spec_hash=model_spec_hash(model)
+        )
+
+    with session_scope(get_engine()) as session:
+        base = register_base_model(
+            session=session,
+            name=model.name,
+            path=str(base_path),
+            spec=model.model_dump(mode="json"),
+            actor=actor,
+        )
+        hv = register_harness(
+            session=session,
+            name=harness.name,
+            version=harness.version,
+            spec=harness.model_dump(mode="json"),
+            actor=actor,
+        )
+        cv = register_contract(
+            session=session,
+            name=contract.name,
+            version=contract.version,
+            spec=contract.model_dump(mode="json"),
+            actor=actor,
+        )
+        existing = list_generations(session=session, lineage=lineage)
+        if existing:
+            first = existing[0]
+            if (first.base_model_id, first.harness_version_id, first.contract_version_id) != (
+                base.id,
+                hv.id,
+                cv.id,
+            ):
+                raise ConflictError(
+                    f"lineage {lineage!r} already exists with {len(existing)} generation(s) started from other "
+                    "specs: start a new lineage with --lineage NAME"
+                )
+            created, number = False, first.number
+        else:
+            gen = create_generation(
+                session=session,
+                lineage=lineage,
+                base_model_id=base.id,
+                harness_version_id=hv.id,
+                contract_version_id=cv.id,
+                specialists=specialists,
+                actor=actor,
+            )
+            promote_generation(
+                session=session,
+                generation=gen,
+                actor=actor,
+                reason="generation 0: the base model under the initial harness",
+            )
+            created, number = True, gen.number
+    return InitResult(
+        lineage=lineage,
+        generation=number,
+        created=created,
+        contract=f"{contract.name} {contract.version}",
+        harness=f"{harness.name} {harness.version}",
+        base_model=model.name,
+        base_path=str(base_path),
+        specialists=specialists,
+    )
