@@ -163,7 +163,7 @@ def score(
             result = score_experience(
                 session=session,
                 contract_version_id=cv_id,
-                progress=lambda done: bar.update(task, completed=done),
+                progress=lambda n: bar.update(task, advance=n),
             )
     per = ", ".join(f"{k}: {v}" for k, v in sorted(result.by_specialist.items()))
     typer.echo(

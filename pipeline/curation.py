@@ -1,0 +1,210 @@
+"""Curation: turn scored experience into one SFT dataset per specialist under the contract's selection rules.
+
+Held-out items never reach a training set: a trace is excluded when its metadata marks it held-out,
+when it came from an evaluation run, or when its prompt is one of the held-out suites' prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.contract import ContractSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidate:
+    """One trace considered for training, with its total score under the contract."""
+
+    experience_id: int
+    specialist: str
+    score: float | None
+    messages: list[dict[str, Any]]
+    metadata: dict[str, Any]
+    feedback: Any
+    source: str
+
+
+@dataclass
+class CurationResult:
+    """What curation kept per specialist, and why the rest was left out."""
+
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def count(self, specialist: str) -> int:
+        return len(self.examples.get(specialist, []))
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+def prompt_key(messages: list[dict[str, Any]]) -> str:
+    """Hash of the conversation before its last assistant turn (what the model was asked)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=len(messages))
+    context = [
+        {"role": m.get("role"), "content": m.get("content")}
+        for m in messages[:last]
+        if m.get("role") != "system"
+    ]
+    return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()
+
+
+def _content_key(messages: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+def is_heldout(candidate: Candidate, heldout_prompts: set[str]) -> bool:
+    """Whether a trace belongs to evaluation and must never be trained on."""
+    return (
+        candidate.metadata.get("split") == "heldout"
+        or candidate.source == "evaluation"
+        or prompt_key(candidate.messages) in heldout_prompts
+    )
+
+
+def _corrected(candidate: Candidate) -> list[dict[str, Any]] | None:
+    fb = candidate.feedback
+    if not isinstance(fb, dict) or not isinstance(fb.get("correction"), str) or not fb["correction"].strip():
+        return None
+    messages = [dict(m) for m in candidate.messages]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        return None
+    messages[last] = {"role": "assistant", "content": fb["correction"]}
+    return messages[: last + 1]
+
+
+def select_examples(
+    candidates: Iterable[Candidate],
+    *,
+    contract: ContractSpec,
+    heldout_prompts: set[str],
+    specialists: Iterable[str] | None = None,
+) -> CurationResult:
+    """Apply the contract's selection rules: held-out exclusion, corrections, threshold, dedup, caps."""
+    rules = contract.selection
+    wanted = set(specialists) if specialists is not None else set(contract.specialists)
+    best: dict[str, dict[str, tuple[float, int, list[dict[str, Any]], int]]] = {s: {} for s in wanted}
+    result = CurationResult()
+    for order, cand in enumerate(candidates):
+        if cand.specialist not in wanted:
+            result.drop("specialist not trained")
+            continue
+        if rules.sources is not None and cand.source not in rules.sources:
+            result.drop("source not selected")
+            continue
+        if is_heldout(cand, heldout_prompts):
+            result.drop("held-out")
+            continue
+        messages = _corrected(cand) if rules.use_corrections else None
+        score = 1.0 if messages is not None else cand.score  # a user's correction is the answer
+        if messages is None:
+            messages = cand.messages
+            if score is None or score < rules.min_score:
+                result.drop("below threshold")
+                continue
+        if not any(m.get("role") == "assistant" for m in messages):
+            result.drop("no assistant turn")
+            continue
+        key = (
+            prompt_key(messages)
+            if rules.dedup == "prompt"
+            else _content_key(messages)
+            if rules.dedup == "content"
+            else str(order)
+        )
+        slot = best[cand.specialist]
+        if key in slot:
+            result.drop("duplicate")
+            if slot[key][0] >= score:
+                continue
+        slot[key] = (score, order, messages, cand.experience_id)
+    for specialist, slot in best.items():
+        chosen = sorted(slot.values(), key=lambda item: (-item[0], item[1]))
+        cap = rules.max_examples.get(specialist, rules.max_examples_per_specialist)
+        if cap is not None and len(chosen) > cap:
+            for _ in chosen[cap:]:
+                result.drop("over cap")
+            chosen = chosen[:cap]
+        chosen.sort(key=lambda item: item[1])  # keep arrival order in the dataset
+        result.examples[specialist] = [
+            {"messages": msgs, "score": float(score), "experience_id": exp_id}
+            for score, _, msgs, exp_id in chosen
+        ]
+    return result
+
+
+def load_candidates(*, session: Any, contract_version_id: int, lineage: str | None = None) -> list[Candidate]:
+    """Every scored trace (total under the contract version), optionally limited to one lineage's generations."""
+    from sqlalchemy import select
+
+    from pipeline.registry.models import Experience, Generation, Score
+
+    stmt = (
+        select(
+            Experience.id,
+            Experience.specialist,
+            Score.value,
+            Score.details,
+            Experience.messages,
+            Experience.meta,
+            Experience.feedback,
+            Experience.source,
+        )
+        .join(
+            Score,
+            (Score.experience_id == Experience.id)
+            & (Score.contract_version_id == contract_version_id)
+            & (Score.scorer == "total"),
+        )
+        .order_by(Experience.id)
+    )
+    if lineage is not None:
+        stmt = stmt.outerjoin(Generation, Generation.id == Experience.generation_id).where(
+            (Generation.lineage == lineage) | (Experience.generation_id.is_(None))
+        )
+    out = []
+    for row in session.execute(stmt):
+        specialist = (row.details or {}).get("specialist") or row.specialist
+        out.append(
+            Candidate(
+                experience_id=row.id,
+                specialist=specialist,
+                score=row.value,
+                messages=row.messages,
+                metadata=row.meta or {},
+                feedback=row.feedback,
+                source=row.source,
+            )
+        )
+    return out
+
+
+def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
+    """Save with ``datasets.Dataset.save_to_disk``; return (sha256 over the saved files, rows)."""
+    from datasets import Dataset
+
+    path = Path(path)
+    rows = [
+        {"messages": json.dumps(e["messages"]), "score": e["score"], "experience_id": e["experience_id"]}
+        for e in examples
+    ]
+    Dataset.from_list(rows, features=None).save_to_disk(str(path))
+    return dataset_sha256(path), len(rows)
+
+
+def dataset_sha256(path: Path) -> str:
+    """sha256 over a saved dataset directory's data files (names and bytes, in sorted order)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix == ".arrow"):
+        digest.update(file.relative_to(path).as_posix().encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
