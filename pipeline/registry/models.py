@@ -185,6 +185,8 @@ class Generation(Base):
     decision: Mapped[str | None] = mapped_column(Text)
     evaluation: Mapped[dict] = mapped_column(JSONText, default=dict)
     state: Mapped[dict] = mapped_column(JSONText, default=dict)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

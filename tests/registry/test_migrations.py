@@ -35,10 +35,19 @@ def test_upgrade_downgrade_upgrade(empty_url):
     upgrade_db(empty_url)
     assert _tables(empty_url) == TABLES
     head = current_revision(empty_url)
+    downgrade_db(empty_url, "0001")
+    upgrade_db(empty_url)
     downgrade_db(empty_url, "base")
     assert _tables(empty_url) == set() and current_revision(empty_url) is None
-    upgrade_db(empty_url)
     assert _tables(empty_url) == TABLES and current_revision(empty_url) == head
+    engine = make_engine(empty_url)
+    try:
+        indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("generations")}
+    finally:
+        engine.dispose()
+    for name in ("uq_generations_one_champion", "uq_generations_one_in_flight"):
+        options = indexes[name].get("dialect_options", {})
+        assert indexes[name]["unique"] and any("where" in k for k in options), indexes[name]
 
 
 def _compare_type(context, inspected_column, metadata_column, inspected_type, metadata_type):
@@ -86,7 +95,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0001" in capsys.readouterr().out
+    assert "revision 0002" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
