@@ -120,6 +120,8 @@ def validation_issues(exc: ValidationError, *, file: str, lines: dict[tuple, int
             if (*clean, part) in lines or (i == len(loc) - 1 and err["type"] == "missing"):
                 clean.append(part)
         msg = err["msg"]
+        if err["type"] == "value_error":  # our validators' own messages, without pydantic's prefix
+            msg = msg.removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field (not allowed here)"
         elif err["type"] == "missing":

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     _register_commands()
     command = typer.main.get_command(app)
     try:
-        command.main(args=argv, prog_name="ratchet", standalone_mode=False)
+        rc = command.main(args=argv, prog_name="ratchet", standalone_mode=False)
     except RatchetError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -57,3 +57,5 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)

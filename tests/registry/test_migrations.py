@@ -39,6 +39,7 @@ def test_upgrade_downgrade_upgrade(empty_url):
     upgrade_db(empty_url)
     downgrade_db(empty_url, "base")
     assert _tables(empty_url) == set() and current_revision(empty_url) is None
+    upgrade_db(empty_url)
     assert _tables(empty_url) == TABLES and current_revision(empty_url) == head
     engine = make_engine(empty_url)
     try:

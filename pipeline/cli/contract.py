@@ -1,0 +1,219 @@
+"""``ratchet contract ...``: lint spec files, print their JSON Schemas, dry-run scoring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pipeline.cli import app
+
+contract_app = typer.Typer(
+    help="HCP contracts, harnesses and model specs: lint, JSON Schemas, dry-run scoring.",
+    no_args_is_help=True,
+)
+app.add_typer(contract_app, name="contract")
+
+KINDS = ("contract", "harness", "model")
+_KEYS = {
+    "contract": ("protocol", "promotion", "selection", "heldout", "default_specialist"),
+    "harness": ("routing", "tools", "context", "tool_call_format"),
+    "model": ("base", "tokenizer", "dtype"),
+}
+_DIRS = {"contracts": "contract", "harnesses": "harness", "models": "model"}
+
+
+def _model_for(kind: str) -> type:
+    from pipeline.contract import ContractSpec
+    from pipeline.harness import HarnessSpec
+    from pipeline.modelspec import ModelSpec
+
+    return {"contract": ContractSpec, "harness": HarnessSpec, "model": ModelSpec}[kind]
+
+
+def detect_kind(path: Path, data: Any) -> str | None:
+    """Guess a spec file's kind from its top-level keys, then from its folder name."""
+    if isinstance(data, dict):
+        for kind, keys in _KEYS.items():
+            if any(k in data for k in keys):
+                return kind
+    return _DIRS.get(path.resolve().parent.name)
+
+
+def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[list[str], Any, str | None]:
+    """Lint one file: (issues as printable lines, the loaded spec or None, the kind)."""
+    from pipeline.contract import verify_suites
+    from pipeline.errors import RatchetError
+    from pipeline.harness import check_harness
+    from pipeline.spec import SpecError, SpecIssue, parse_yaml, validate_spec_text
+
+    if not path.is_file():
+        return [str(SpecIssue(str(path), 0, "", "file not found"))], None, None
+    try:
+        text = path.read_text(encoding="utf-8")
+        data, _ = parse_yaml(text, file=str(path))
+    except UnicodeDecodeError as exc:
+        return [str(SpecIssue(str(path), 0, "", f"not UTF-8 text ({exc.reason})"))], None, None
+    except SpecError as exc:
+        return [str(i) for i in exc.issues], None, None
+    if kind == "auto":
+        detected = detect_kind(path, data)
+        if detected is None:
+            keys = "; ".join(f"{k}: {', '.join(v)}" for k, v in _KEYS.items())
+            msg = f"cannot tell the spec kind (pass --kind; top-level keys that decide it: {keys})"
+            return [str(SpecIssue(str(path), 1, "", msg))], None, None
+        kind = detected
+    try:
+        spec = validate_spec_text(text, _model_for(kind), file=str(path))
+    except SpecError as exc:
+        return [str(i) for i in exc.issues], None, kind
+    issues: list[str] = []
+    if kind == "contract":
+        try:
+            verify_suites(spec, path)
+        except RatchetError as exc:
+            issues.append(str(exc))
+    if kind == "harness" and contract is not None:
+        issues += [f"{path}: {problem}" for problem in check_harness(spec, contract)]
+    return issues, spec, kind
+
+
+@contract_app.command("lint")
+def lint(
+    files: list[Path] = typer.Argument(..., help="YAML files (contracts, harnesses, model specs)."),
+    kind: str = typer.Option(
+        "auto", "--kind", help="contract | harness | model | auto (from keys / folder)."
+    ),
+    contract_file: Path | None = typer.Option(
+        None, "--contract", help="Also check every harness against this contract's context protocol."
+    ),
+) -> None:
+    """Validate spec files; print every problem as `file:line: field: message`."""
+    from pipeline.contract import load_contract
+    from pipeline.errors import RatchetError
+    from pipeline.spec import content_hash
+
+    if kind not in (*KINDS, "auto"):
+        raise RatchetError(f"--kind must be one of contract, harness, model, auto (got {kind!r})")
+    contract = load_contract(contract_file) if contract_file is not None else None
+    failed = 0
+    for path in files:
+        issues, spec, _ = lint_file(path, kind=kind, contract=contract)
+        for issue in issues:
+            typer.echo(issue)
+        if issues:
+            failed += 1
+            continue
+        version = getattr(spec, "version", None)
+        label = f"{spec.name} {version}" if version is not None else spec.name
+        typer.echo(f"ok {path} ({label} {content_hash(spec)[:12]})")
+    if failed:
+        # A RatchetError, not typer.Exit: main() runs click in non-standalone mode, where Exit codes are lost.
+        raise RatchetError(f"{failed} of {len(files)} file(s) failed lint")
+
+
+@contract_app.command("schema")
+def schema(
+    kind: str = typer.Option("contract", "--kind", help="contract | harness | model."),
+) -> None:
+    """Print the JSON Schema of a spec kind (for editor completion and validation)."""
+    from pipeline.errors import RatchetError
+
+    if kind not in KINDS:
+        raise RatchetError(f"--kind must be one of {', '.join(KINDS)} (got {kind!r})")
+    typer.echo(json.dumps(_model_for(kind).model_json_schema(by_alias=True), indent=2))
+
+
+def read_traces(path: Path) -> list[dict[str, Any]]:
+    """Read a JSONL file of traces; a bad line raises ``RatchetError`` naming its line number."""
+    from pipeline.errors import NotFoundError, RatchetError
+
+    if not path.is_file():
+        raise NotFoundError(f"{path}: traces file not found")
+    traces = []
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                trace = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RatchetError(f"{path}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(trace, dict) or not isinstance(trace.get("messages"), list):
+                raise RatchetError(f"{path}:{n}: expected an object with a `messages` list")
+            traces.append(trace)
+    return traces
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+@contract_app.command("score")
+def score(
+    contract_file: Path = typer.Argument(..., help="The contract YAML."),
+    traces_file: Path = typer.Argument(..., help="Traces, one JSON object per line."),
+    harness_file: Path | None = typer.Option(
+        None,
+        "--harness",
+        help="Harness whose tools `tool_call` checks against (else only the expected call).",
+    ),
+    specialist: str | None = typer.Option(None, "--specialist", help="Score every turn as this specialist."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Traces scored concurrently."),
+) -> None:
+    """Dry run: score a JSONL file under a contract (no registry) and print per-scorer statistics."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from pipeline.contract import load_contract
+    from pipeline.errors import RatchetError
+    from pipeline.harness import load_harness
+    from pipeline.scoring import TOTAL, score_trace, summarise_results
+
+    contract = load_contract(contract_file)
+    harness = load_harness(harness_file) if harness_file is not None else None
+    if specialist is not None and specialist not in contract.specialists:
+        raise RatchetError(
+            f"--specialist {specialist!r} is not in the contract ({', '.join(contract.specialists)})"
+        )
+    traces = read_traces(traces_file)
+    console = Console()
+    from concurrent.futures import ThreadPoolExecutor
+
+    results = []
+    with Progress(console=console, transient=True) as progress, ThreadPoolExecutor(workers) as pool:
+        task = progress.add_task("scoring", total=len(traces))
+        for res in pool.map(
+            lambda t: score_trace(contract, t, harness=harness, specialist=specialist), traces
+        ):
+            results.append(res)
+            progress.advance(task)
+    stats = summarise_results(contract, results)
+    table = Table(title=f"{contract.name} {contract.version}: {len(traces)} traces from {traces_file}")
+    for col in ("scorer", "specialist", "n", "mean", "min", "max", "failures"):
+        table.add_column(col, justify="right" if col not in ("scorer", "specialist") else "left")
+    for s in stats:
+        if s.scorer != TOTAL:
+            table.add_row(
+                s.scorer, s.specialist, str(s.n), _fmt(s.mean), _fmt(s.min), _fmt(s.max), str(s.failures)
+            )
+    console.print(table)
+    totals = Table(title=f"per specialist (selectable: total >= {contract.selection.min_score:g})")
+    for col in ("specialist", "traces", "scored", "mean total", "selectable"):
+        totals.add_column(col, justify="left" if col == "specialist" else "right")
+    for s in stats:
+        if s.scorer == TOTAL:
+            count = sum(1 for r in results if r.specialist == s.specialist)
+            totals.add_row(s.specialist, str(count), str(s.n), _fmt(s.mean), str(s.n - s.failures))
+    console.print(totals)
+    errors = [
+        f"trace {i + 1} turn {t.turn} {k}: {e}"
+        for i, r in enumerate(results)
+        for t in r.turns
+        for k, e in t.errors.items()
+    ]
+    if errors:
+        console.print(f"[dim]{len(errors)} scorer messages; first: {errors[0]}[/dim]", highlight=False)

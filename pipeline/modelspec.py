@@ -1,0 +1,115 @@
+"""The model spec: the frozen base model and the LoRA settings of each specialist.
+
+The base is either a local Hugging Face causal-LM directory (``path:``) or the project-built tiny
+Llama-style model (``tiny:``, its architecture plus bootstrap pretraining settings) — exactly one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.contract import Name, StrictModel
+from pipeline.spec import content_hash, load_spec
+
+
+class PretrainConfig(StrictModel):
+    """Bootstrap pretraining of the tiny base model on a task environment's corpus."""
+
+    steps: int = Field(default=1200, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(default=64, ge=1, description="Sequences per step.")
+    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate (AdamW, cosine decay).")
+    seed: int = Field(default=0, description="Seed of initialisation and data order.")
+    corpus: str = Field(
+        default="demo", min_length=1, description="Name of the task environment producing the text."
+    )
+
+
+class TinyBaseConfig(StrictModel):
+    """Architecture of the project-built tiny Llama-style model."""
+
+    vocab: Literal["char"] = Field(default="char", description="Tokenizer kind (a character vocabulary).")
+    hidden_size: int = Field(default=128, ge=8, description="Model width.")
+    num_layers: int = Field(default=4, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(default=4, ge=1, description="Attention heads (must divide hidden_size).")
+    intermediate_size: int = Field(default=512, ge=8, description="MLP inner width.")
+    max_position_embeddings: int = Field(default=128, ge=8, description="Longest sequence (characters).")
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Bootstrap pretraining.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyBaseConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        return self
+
+
+class BaseModelConfig(StrictModel):
+    """Exactly one of ``path`` (a local HF causal-LM directory) or ``tiny`` (the built tiny model)."""
+
+    path: str | None = Field(default=None, description="Local Hugging Face causal-LM directory.")
+    tiny: TinyBaseConfig | None = Field(
+        default=None, description="Architecture of the project-built tiny model."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BaseModelConfig:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError(
+                "give exactly one of `path` (a local model directory) or `tiny` (the built tiny model)"
+            )
+        return self
+
+
+class LoraConfig(StrictModel):
+    """LoRA hyperparameters of one specialist's adapter."""
+
+    rank: int = Field(default=16, ge=1, description="LoRA rank r.")
+    alpha: float = Field(default=32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Module names that get adapters.",
+    )
+
+
+class TrainDefaults(StrictModel):
+    """Training defaults of one specialist's adapter."""
+
+    lr: float = Field(default=1e-3, gt=0, description="Learning rate.")
+    epochs: int = Field(default=3, ge=1, description="Passes over the curated dataset.")
+    batch_size: int = Field(default=16, ge=1, description="Examples per step.")
+    max_steps: int | None = Field(default=None, ge=1, description="Step cap (overrides epochs); null: none.")
+
+
+class SpecialistModel(StrictModel):
+    """A specialist's adapter settings."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA hyperparameters.")
+    training: TrainDefaults = Field(default_factory=TrainDefaults, description="Training defaults.")
+
+
+class ModelSpec(StrictModel):
+    """A model spec (one YAML file under ``models/``)."""
+
+    name: Name = Field(description="Base model name (unique in the registry).")
+    description: str = Field(default="", description="What this model is.")
+    base: BaseModelConfig = Field(description="The frozen base model.")
+    tokenizer: str = Field(
+        default="same_as_base",
+        description="Tokenizer directory, or `same_as_base` (the base's own tokenizer).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Weights dtype.")
+    specialists: dict[Name, SpecialistModel] = Field(min_length=1, description="One adapter per specialist.")
+
+
+def load_model_spec(path: str | Path) -> ModelSpec:
+    """Load and validate a model spec YAML file (raises ``SpecError`` listing every problem)."""
+    return load_spec(path, ModelSpec)
+
+
+def model_spec_hash(spec: ModelSpec) -> str:
+    """The model spec's content address."""
+    return content_hash(spec)

@@ -1,0 +1,91 @@
+"""What a scorer sees (``TurnContext``) and returns (``ScorerOutcome``), plus message helpers."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.harness import HarnessSpec
+
+
+@dataclass(frozen=True)
+class ScorerOutcome:
+    """One scorer's verdict on one turn: ``value`` in 0..1, or None when the scorer does not apply."""
+
+    value: float | None
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+NOT_APPLICABLE = ScorerOutcome(None)
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """One assistant turn in its trace, with everything a scorer may look at."""
+
+    messages: list[dict[str, Any]]
+    index: int
+    specialist: str
+    metadata: dict[str, Any]
+    feedback: Any = None
+    harness: HarnessSpec | None = None
+    is_final: bool = False
+    specialist_called_tool: bool = False
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant message being scored."""
+        return self.messages[self.index]
+
+    @property
+    def text(self) -> str:
+        """The assistant message's text content ('' for a pure tool call)."""
+        return message_text(self.message)
+
+    @property
+    def prompt(self) -> str:
+        """The last user message before this turn."""
+        for msg in reversed(self.messages[: self.index]):
+            if msg.get("role") == "user":
+                return message_text(msg)
+        return ""
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """The text of a message; OpenAI content-part lists are joined."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def fenced_blocks(text: str, languages: tuple[str, ...] = ()) -> list[str]:
+    """Bodies of the ``` fenced blocks in ``text`` (only those tagged with one of ``languages``, or untagged)."""
+    out = []
+    for lang, body in _FENCE.findall(text):
+        if not languages or not lang or lang.lower() in languages:
+            out.append(body)
+    return out
+
+
+def parse_json_content(text: str) -> Any:
+    """Parse a JSON answer, accepting a ```json fence around it. Raises ``ValueError``."""
+    stripped = text.strip()
+    try:
+        return json.loads(stripped)
+    except json.JSONDecodeError as first:
+        blocks = fenced_blocks(stripped, ("json",))
+        if blocks:
+            return json.loads(blocks[0])
+        raise ValueError(f"not JSON: {first.msg} at line {first.lineno} column {first.colno}") from None

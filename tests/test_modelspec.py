@@ -1,0 +1,97 @@
+"""The model spec: tiny or path base (exactly one), LoRA settings per specialist."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline.modelspec import ModelSpec, load_model_spec, model_spec_hash
+from pipeline.spec import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PATH_BASE = """\
+name: local
+base:
+  path: /models/some-hf-dir
+specialists:
+  chat: {}
+"""
+
+
+def load(tmp_path: Path, text: str) -> ModelSpec:
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(text))
+    return load_model_spec(path)
+
+
+def issues(tmp_path: Path, text: str) -> list:
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, text)
+    return info.value.issues
+
+
+def test_shipped_tiny_model():
+    spec = load_model_spec(ROOT / "models" / "tiny.yaml")
+    tiny = spec.base.tiny
+    assert spec.base.path is None and tiny is not None
+    assert (tiny.vocab, tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.max_position_embeddings) == (
+        "char",
+        128,
+        4,
+        4,
+        128,
+    )
+    assert tiny.intermediate_size in (256, 512)
+    assert (tiny.pretrain.steps, tiny.pretrain.batch_size, tiny.pretrain.lr) == (1200, 64, 3e-3)
+    assert set(spec.specialists) == {"chat", "agent", "coding", "genui"}
+    for entry in spec.specialists.values():
+        assert (entry.lora.rank, entry.lora.alpha, entry.lora.dropout) == (16, 32.0, 0.0)
+        assert entry.lora.target_modules == [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    assert spec.tokenizer == "same_as_base" and spec.dtype == "float32"
+    assert len(model_spec_hash(spec)) == 64
+
+
+def test_path_base_with_defaults(tmp_path):
+    spec = load(tmp_path, PATH_BASE)
+    assert spec.base.path == "/models/some-hf-dir" and spec.base.tiny is None
+    assert spec.specialists["chat"].lora.rank == 16 and spec.specialists["chat"].training.epochs == 3
+
+
+def test_exactly_one_base(tmp_path):
+    both = PATH_BASE.replace("  path: /models/some-hf-dir", "  path: /m\n  tiny: {}")
+    (issue,) = issues(tmp_path, both)
+    assert issue.path == "base" and issue.line == 3 and "exactly one of `path`" in issue.message
+    neither = PATH_BASE.replace("  path: /models/some-hf-dir", "  {}").replace("base:\n  {}", "base: {}")
+    assert "exactly one of" in issues(tmp_path, neither)[0].message
+
+
+def test_field_errors_are_located(tmp_path):
+    text = """\
+    name: bad
+    base:
+      tiny: {hidden_size: 130, num_heads: 4, vocab: bpe}
+    dtype: float64
+    specialists:
+      chat:
+        lora: {rank: 0, dropout: 1.5}
+    """
+    found = {i.path: i for i in issues(tmp_path, text)}
+    assert "base.tiny.vocab" in found and found["base.tiny.vocab"].line == 3
+    assert found["dtype"].line == 4 and "float32" in found["dtype"].message
+    assert "specialists.chat.lora.rank" in found and "specialists.chat.lora.dropout" in found
+
+
+def test_heads_must_divide_width(tmp_path):
+    text = PATH_BASE.replace("  path: /models/some-hf-dir", "  tiny: {hidden_size: 130, num_heads: 4}")
+    assert "must divide hidden_size" in issues(tmp_path, text)[0].message
