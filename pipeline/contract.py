@@ -40,6 +40,16 @@ from pipeline.scorers.config import (  # noqa: F401 - re-exported: the contract'
 )
 from pipeline.spec import content_hash, file_sha256, load_spec
 
+ToolCallFormat = Literal["openai", "json", "compact"]
+"""How a model writes tool calls (traces always store them in OpenAI's shape, whatever the format):
+
+- ``openai``: the serving stack's native ``tool_calls`` (JSON-string arguments);
+- ``json``: content that is a JSON object ``{"name": ..., "arguments": {...}}`` (or a list of them);
+- ``compact``: content ``name(key=value,...)``, one call per line (``pipeline.environment.toolcalls``):
+  arguments in the tool schema's order, digit-only values are integers, anything else a string, values
+  never contain ``,`` ``=`` ``(`` ``)``. Built for tiny models that cannot write JSON reliably.
+"""
+
 
 def _quoted_hash(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -74,9 +84,11 @@ class ContextProtocol(StrictModel):
     required_slots: list[Name] = Field(
         default_factory=list, description="Prompt slots every specialist's system prompt must fill."
     )
-    tool_call_format: Literal["openai", "json"] = Field(
+    tool_call_format: ToolCallFormat = Field(
         default="openai",
-        description="`openai`: `tool_calls` with JSON-string arguments; `json`: a `{name, arguments}` JSON content.",
+        description="How the model writes tool calls: `openai`: `tool_calls` with JSON-string arguments; "
+        "`json`: a `{name, arguments}` JSON content; `compact`: `name(key=value,...)` text, one call per "
+        "line. Traces store every format as OpenAI `tool_calls`.",
     )
     context_budget: ContextBudget = Field(description="Context size limits.")
 
@@ -126,9 +138,10 @@ class SelectionRules(StrictModel):
     use_corrections: bool = Field(
         default=True, description="Turn a user's `feedback.correction` into a training example for that turn."
     )
-    sources: list[str] | None = Field(
+    sources: list[Literal["deployment", "simulation", "import"]] | None = Field(
         default=None,
-        description="Only experience from these sources (e.g. `environment`, `serve`); null: all.",
+        description="Only experience from these sources (`deployment`: served traffic, `simulation`: the "
+        "task environment, `import`: ingested files); null: all. `evaluation` traces are never selected.",
     )
 
 

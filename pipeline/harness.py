@@ -3,7 +3,8 @@
 Per specialist: a system prompt template with named slots, few-shot exemplars and decoding
 parameters; shared tool definitions (OpenAI function tools), a context policy and the routing
 policy (signal library, guardrails, learned-router settings). ``check_harness(harness, contract)``
-lists every violation of a contract's context protocol.
+lists every violation of a contract's context protocol. What the model is actually given (system prompt,
+exemplars, trimmed conversation) is rendered by ``pipeline.prompting``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.contract import ContractSpec, JsonSchema, Name, Regex, StrictModel, Version
+from pipeline.contract import ContractSpec, JsonSchema, Name, Regex, StrictModel, ToolCallFormat, Version
 from pipeline.errors import RatchetError
 from pipeline.spec import content_hash, load_spec
 
@@ -33,6 +34,23 @@ def template_slots(template: str) -> list[str]:
             raise ValueError(f"slot {{{field}}} is not a plain name (use {{{{ and }}}} for literal braces)")
         names.append(field)
     return list(dict.fromkeys(names))
+
+
+# Characters a compact call value cannot contain (see ``pipeline.environment.toolcalls``).
+COMPACT_FORBIDDEN = ",=()\n"
+
+
+def compact_value_ok(value: Any) -> bool:
+    """Whether a call argument survives the compact format: an int, or a string that is not all digits
+    (it would read back as an int) and has none of ``,`` ``=`` ``(`` ``)`` or a newline."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and not value.lstrip("-").isdigit()
+        and not any(c in value for c in COMPACT_FORBIDDEN)
+    )
 
 
 class ToolCallSpec(StrictModel):
@@ -125,6 +143,19 @@ class ContextPolicy(StrictModel):
     """How much conversation a specialist sees."""
 
     max_context_tokens: int = Field(ge=1, description="Context window the harness fills (prompt + history).")
+    max_context_chars: int | None = Field(
+        default=None,
+        ge=8,
+        description="Hard character budget of the whole context (rendered prompt plus the answer's "
+        "`max_new_tokens`, one character each, as in a character-level model; e.g. 128 for the tiny "
+        "model). Null: `max_context_tokens` times the contract's `chars_per_token`.",
+    )
+    include_system_prompt: bool = Field(
+        default=True,
+        description="Give the model the specialist's system prompt. Real chat models are tuned to follow "
+        "one; a tiny model pretrained without system prompts is better served without (it spends scarce "
+        "positions on text it never learned to use). The prompt is still validated and stored.",
+    )
     keep_turns: int = Field(
         default=8, ge=0, description="Past user/assistant turns kept (oldest dropped first)."
     )
@@ -193,8 +224,10 @@ class HarnessSpec(StrictModel):
     name: Name = Field(description="Harness name.")
     version: Version = Field(description="Version label (content-addressed in the registry).")
     description: str = Field(default="", description="What changed / what this harness is for.")
-    tool_call_format: Literal["openai", "json"] = Field(
-        default="openai", description="How the model emits tool calls (must match the contract)."
+    tool_call_format: ToolCallFormat = Field(
+        default="openai",
+        description="How the model emits tool calls (must match the contract): `openai`, `json` or "
+        "`compact` (`name(key=value,...)`, see `pipeline.environment.toolcalls`).",
     )
     specialists: dict[Name, SpecialistHarness] = Field(min_length=1, description="Per-specialist prompts.")
     tools: list[ToolSpec] = Field(
@@ -220,9 +253,34 @@ class HarnessSpec(StrictModel):
         refs += [(f"routing.guardrails[{i}].route", g.route) for i, g in enumerate(r.guardrails)]
         refs += [("routing.learned.labels", n) for n in r.learned.labels]
         problems += [f"{where}: {n!r} is not a declared specialist" for where, n in refs if n not in known]
+        if self.tool_call_format == "compact":
+            problems += self._compact_problems()
         if problems:
             raise ValueError("; ".join(problems) + f" (specialists: {', '.join(sorted(known))})")
         return self
+
+    def _compact_problems(self) -> list[str]:
+        """What the compact format cannot express: non-integer/string parameters, values with , = ( )."""
+        out = []
+        for t in self.tools:
+            for key, prop in (t.function.parameters.get("properties") or {}).items():
+                kind = prop.get("type") if isinstance(prop, dict) else None
+                if kind not in ("integer", "string"):
+                    out.append(
+                        f"tools.{t.function.name}.{key}: type {kind!r} cannot be written in the compact "
+                        "tool-call format (integers and strings only)"
+                    )
+        for sp_name, sp in self.specialists.items():
+            for i, ex in enumerate(sp.exemplars):
+                for j, msg in enumerate(ex.messages):
+                    for call in msg.tool_calls or []:
+                        bad = [k for k, v in call.arguments.items() if not compact_value_ok(v)]
+                        out += [
+                            f"specialists.{sp_name}.exemplars[{i}].messages[{j}]: argument "
+                            f"{k}={call.arguments[k]!r} cannot be written in the compact tool-call format"
+                            for k in bad
+                        ]
+        return out
 
     def tool(self, name: str) -> ToolSpec | None:
         """The tool named ``name``, if defined."""
@@ -248,6 +306,8 @@ def harness_hash(spec: HarnessSpec) -> str:
 
 def check_harness(harness: HarnessSpec, contract: ContractSpec) -> list[str]:
     """Every way ``harness`` violates ``contract``'s context protocol (empty list: compatible)."""
+    from pipeline.prompting import exemplar_messages, message_chars  # prompting builds on this module
+
     proto = contract.protocol
     budget = proto.context_budget
     out: list[str] = []
@@ -276,7 +336,7 @@ def check_harness(harness: HarnessSpec, contract: ContractSpec) -> list[str]:
                 out.append(f"{where}.system_prompt: required slot {{{slot}}} is not used")
             elif not sp.slots.get(slot, "").strip():
                 out.append(f"{where}.slots.{slot}: required slot is empty")
-        if "system" not in proto.roles:
+        if harness.context.include_system_prompt and "system" not in proto.roles:
             out.append(f"{where}: the contract does not allow the `system` role used by the system prompt")
         for i, ex in enumerate(sp.exemplars):
             for j, msg in enumerate(ex.messages):
@@ -288,8 +348,9 @@ def check_harness(harness: HarnessSpec, contract: ContractSpec) -> list[str]:
                 for call in msg.tool_calls or []:
                     if call.name not in {t.function.name for t in harness.tools_for(name)}:
                         out.append(f"{where}.exemplars[{i}].messages[{j}]: calls unknown tool {call.name!r}")
-        prompt_chars = len(sp.render_system_prompt()) + sum(
-            len(m.content or "") + len(str(m.tool_calls or "")) for ex in sp.exemplars for m in ex.messages
+        system_chars = len(sp.render_system_prompt()) if harness.context.include_system_prompt else 0
+        prompt_chars = system_chars + sum(
+            message_chars(m, harness.tool_call_format) for ex in exemplar_messages(harness, name) for m in ex
         )
         if budget.max_system_chars is not None and prompt_chars > budget.max_system_chars:
             out.append(
@@ -302,6 +363,19 @@ def check_harness(harness: HarnessSpec, contract: ContractSpec) -> list[str]:
                 f"{where}: system prompt + exemplars (~{est_tokens:.0f} tokens) plus max_new_tokens "
                 f"{sp.decoding.max_new_tokens} exceed the context window of {window} tokens"
             )
+        chars = harness.context.max_context_chars
+        if chars is not None and prompt_chars + sp.decoding.max_new_tokens >= chars:
+            out.append(
+                f"{where}: system prompt + exemplars ({prompt_chars} chars) plus max_new_tokens "
+                f"{sp.decoding.max_new_tokens} leave no room for the conversation in "
+                f"context.max_context_chars {chars}"
+            )
+    chars = harness.context.max_context_chars
+    if chars is not None and chars > budget.max_tokens * budget.chars_per_token:
+        out.append(
+            f"context.max_context_chars {chars} exceeds the contract's context budget of {budget.max_tokens} "
+            f"tokens x {budget.chars_per_token:g} chars per token"
+        )
     return out
 
 

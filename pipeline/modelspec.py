@@ -7,23 +7,31 @@ Llama-style model (``tiny:``, its architecture plus bootstrap pretraining settin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from pipeline.contract import Name, StrictModel
 from pipeline.spec import content_hash, load_spec
 
+if TYPE_CHECKING:
+    from pipeline.tinymodel import TinyModelConfig
+
 
 class PretrainConfig(StrictModel):
     """Bootstrap pretraining of the tiny base model on a task environment's corpus."""
 
-    steps: int = Field(default=1200, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(default=64, ge=1, description="Sequences per step.")
-    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate (AdamW, cosine decay).")
-    seed: int = Field(default=0, description="Seed of initialisation and data order.")
-    corpus: str = Field(
-        default="demo", min_length=1, description="Name of the task environment producing the text."
+    steps: int = Field(default=300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(default=64, ge=1, description="Sequences per step (packed into rows).")
+    lr: float = Field(
+        default=3e-3, gt=0, description="Peak learning rate (AdamW; linear warmup, then linear decay to 10%)."
+    )
+    seed: int = Field(default=0, description="Seed of initialisation, corpus sampling and data order.")
+    corpus: Literal["demo"] = Field(
+        default="demo", description="Task environment producing the text (`demo`: pipeline.environment)."
+    )
+    corpus_size: int = Field(
+        default=20_000, ge=1, description="Complete traces drawn from the environment's training split."
     )
 
 
@@ -34,7 +42,7 @@ class TinyBaseConfig(StrictModel):
     hidden_size: int = Field(default=128, ge=8, description="Model width.")
     num_layers: int = Field(default=4, ge=1, description="Transformer blocks.")
     num_heads: int = Field(default=4, ge=1, description="Attention heads (must divide hidden_size).")
-    intermediate_size: int = Field(default=512, ge=8, description="MLP inner width.")
+    intermediate_size: int = Field(default=256, ge=8, description="MLP inner width.")
     max_position_embeddings: int = Field(default=128, ge=8, description="Longest sequence (characters).")
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Bootstrap pretraining.")
 
@@ -43,6 +51,23 @@ class TinyBaseConfig(StrictModel):
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
         return self
+
+    def to_tiny_model_config(self) -> TinyModelConfig:
+        """The ``pipeline.tinymodel.TinyModelConfig`` this spec describes (its hash names the cached build)."""
+        from pipeline.tinymodel import TinyModelConfig
+
+        return TinyModelConfig(
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+            bootstrap_steps=self.pretrain.steps,
+            bootstrap_batch_size=self.pretrain.batch_size,
+            bootstrap_lr=self.pretrain.lr,
+            corpus_size=self.pretrain.corpus_size,
+            seed=self.pretrain.seed,
+        )
 
 
 class BaseModelConfig(StrictModel):

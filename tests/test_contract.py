@@ -279,7 +279,7 @@ def test_cli_lint_harness_against_contract(tmp_path, capsys):
     text = (
         (ROOT / "harnesses" / "demo.yaml")
         .read_text()
-        .replace("tool_call_format: openai", "tool_call_format: json")
+        .replace("tool_call_format: compact", "tool_call_format: json")
     )
     harness = write(tmp_path, text, "h.yaml")
     code = run_cli(["contract", "lint", str(harness), "--contract", str(ROOT / "contracts" / "demo.yaml")])
@@ -324,3 +324,14 @@ def test_every_spec_field_is_documented():
             if isinstance(obj, type) and issubclass(obj, BaseModel) and obj.__module__ == module.__name__:
                 missing += [f"{obj.__name__}.{n}" for n, f in obj.model_fields.items() if not f.description]
     assert missing == []
+
+
+def test_selection_sources_are_the_registry_sources():
+    from pipeline.contract import SelectionRules
+    from pipeline.registry.experience import SOURCES
+
+    trainable = [s for s in SOURCES if s != "evaluation"]
+    assert SelectionRules(sources=trainable).sources == trainable
+    for bad in ("evaluation", "serve"):
+        with pytest.raises(ValueError, match="deployment"):
+            SelectionRules(sources=[bad])

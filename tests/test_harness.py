@@ -177,7 +177,7 @@ def test_check_harness_reports_every_violation():
 
     problems = check_harness(mutated(break_it), DEMO_CONTRACT)
     text = "\n".join(problems)
-    assert "tool_call_format is 'json', the contract requires 'openai'" in text
+    assert "tool_call_format is 'json', the contract requires 'compact'" in text
     assert "context.max_context_tokens 100000 exceeds the contract's context budget of 2048" in text
     assert "specialists.agent.system_prompt: required slot {tool_policy} is not used" in text
     assert "specialists.chat.slots.persona: required slot is empty" in text
@@ -191,22 +191,55 @@ def test_check_harness_reports_every_violation():
 
 
 def test_check_harness_context_budget():
-    long_prompt = mutated(lambda d: d["specialists"]["chat"]["slots"].update(persona="x" * 5000))
-    problems = check_harness(long_prompt, DEMO_CONTRACT)
+    def long_persona(d, *, shown):
+        d["specialists"]["chat"]["slots"]["persona"] = "x" * 5000
+        d["context"]["include_system_prompt"] = shown
+        d["context"]["max_context_chars"] = None
+
+    # A system prompt the model is not given costs nothing.
+    assert check_harness(mutated(lambda d: long_persona(d, shown=False)), DEMO_CONTRACT) == []
+    problems = check_harness(mutated(lambda d: long_persona(d, shown=True)), DEMO_CONTRACT)
     assert any("over the contract's max_system_chars 2000" in p for p in problems)
-    assert any("exceed the context window of 1024 tokens" in p for p in problems)
+    assert any("exceed the context window of 128 tokens" in p for p in problems)
 
     def tight(c):
-        c["protocol"]["context_budget"] = {"max_tokens": 64, "chars_per_token": 1.0}
+        c["protocol"]["context_budget"] = {"max_tokens": 24, "chars_per_token": 1.0}
 
     problems = check_harness(load_harness(ROOT / "harnesses" / "demo.yaml"), contract_with(tight))
-    assert any("exceeds the contract's context budget of 64" in p for p in problems)
-    assert any(p.startswith("specialists.coding:") and "max_new_tokens 96" in p for p in problems)
+    assert any(
+        "context.max_context_tokens 128 exceeds the contract's context budget of 24" in p for p in problems
+    )
+    assert any(p.startswith("specialists.genui:") and "max_new_tokens 40" in p for p in problems)
+    assert any(
+        "context.max_context_chars 128 exceeds the contract's context budget of 24 tokens" in p
+        for p in problems
+    )
+
+
+def test_check_harness_character_budget():
+    def big_exemplar(d):
+        d["specialists"]["genui"]["exemplars"] = [
+            {
+                "messages": [
+                    {"role": "user", "content": "counter 1+2"},
+                    {"role": "assistant", "content": "x" * 90},
+                ]
+            }
+        ]
+
+    (problem,) = check_harness(mutated(big_exemplar), DEMO_CONTRACT)
+    assert problem.startswith(
+        "specialists.genui: system prompt + exemplars (105 chars) plus max_new_tokens 40"
+    )
+    assert "leave no room for the conversation in context.max_context_chars 128" in problem
 
 
 def test_contract_without_system_role():
     def no_system(c):
         c["protocol"]["roles"] = ["user", "assistant", "tool"]
 
-    problems = check_harness(load_harness(ROOT / "harnesses" / "demo.yaml"), contract_with(no_system))
+    demo = load_harness(ROOT / "harnesses" / "demo.yaml")
+    assert check_harness(demo, contract_with(no_system)) == []  # the demo shows no system prompt
+    shown = mutated(lambda d: d["context"].update(include_system_prompt=True))
+    problems = check_harness(shown, contract_with(no_system))
     assert sum("does not allow the `system` role" in p for p in problems) == 4

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.modelspec import ModelSpec, load_model_spec, model_spec_hash
+from pipeline.modelspec import ModelSpec, TinyBaseConfig, load_model_spec, model_spec_hash
 from pipeline.spec import SpecError
+from pipeline.tinymodel import TinyModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +45,8 @@ def test_shipped_tiny_model():
         4,
         128,
     )
-    assert tiny.intermediate_size in (256, 512)
-    assert (tiny.pretrain.steps, tiny.pretrain.batch_size, tiny.pretrain.lr) == (1200, 64, 3e-3)
+    # The shipped spec is the tiny model's own defaults: the same config hash, the same cached build.
+    assert tiny.to_tiny_model_config() == TinyModelConfig()
     assert set(spec.specialists) == {"chat", "agent", "coding", "genui"}
     for entry in spec.specialists.values():
         assert (entry.lora.rank, entry.lora.alpha, entry.lora.dropout) == (16, 32.0, 0.0)
@@ -60,6 +61,21 @@ def test_shipped_tiny_model():
         ]
     assert spec.tokenizer == "same_as_base" and spec.dtype == "float32"
     assert len(model_spec_hash(spec)) == 64
+
+
+def test_tiny_config_maps_every_field():
+    from dataclasses import asdict
+
+    custom = TinyBaseConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        pretrain={"steps": 7, "batch_size": 3, "lr": 0.5, "seed": 9, "corpus_size": 11},
+    )
+    mapped, default = asdict(custom.to_tiny_model_config()), asdict(TinyModelConfig())
+    assert all(mapped[k] != default[k] for k in default), mapped
 
 
 def test_path_base_with_defaults(tmp_path):

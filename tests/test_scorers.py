@@ -218,6 +218,24 @@ def test_tool_call_in_content_and_without_harness():
     assert out.value == 1.0 and "no harness" in out.info["note"]
 
 
+def test_tool_call_in_compact_content():
+    config = cfg(kind="tool_call")
+    expected = {"name": "add_item", "arguments": {"name": "egg", "qty": 47}}
+    out = run_scorer(config, agent_ctx(answer="add_item(name=egg,qty=47)", expected=expected))
+    assert out.value == 1.0 and out.info["calls"] == [expected]
+    two = agent_ctx(answer="set_timer(minutes=5)\nadd_item(name=egg,qty=47)", expected=expected)
+    assert value(config, two) == 1.0
+    assert value(config, agent_ctx(answer="add_item(name=egg,qty=46)", expected=expected)) == 0.0
+    bad = run_scorer(config, agent_ctx(answer="set_timer(minutes=five)"))
+    assert bad.value == 0.0 and "arguments invalid at minutes" in bad.error
+    # Prose around a call, or the option off: no call at all.
+    assert run_scorer(config, agent_ctx(answer="ok: set_timer(minutes=5)")).error == "no tool call"
+    assert (
+        value(cfg(kind="tool_call", accept_content_compact=False), agent_ctx(answer="set_timer(minutes=5)"))
+        == 0.0
+    )
+
+
 def test_tool_call_missing_call():
     config = cfg(kind="tool_call")
     out = run_scorer(config, agent_ctx(answer="Sure, timer set!"))

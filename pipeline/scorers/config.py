@@ -186,6 +186,11 @@ class ToolCallScorer(ScorerBase):
         default=True,
         description='Also accept a call written as JSON content `{"name": ..., "arguments": {...}}`.',
     )
+    accept_content_compact: bool = Field(
+        default=True,
+        description="Also accept content that is only compact calls `name(key=value,...)`, one per line "
+        "(the `compact` tool-call format; digit-only values are integers).",
+    )
 
 
 class LengthScorer(ScorerBase):

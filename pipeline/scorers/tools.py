@@ -9,20 +9,37 @@ from pipeline.scorers.base import NOT_APPLICABLE, ScorerOutcome, TurnContext, pa
 from pipeline.scorers.config import ToolCallScorer
 
 
-def extract_calls(message: dict[str, Any], *, accept_content_json: bool) -> list[dict[str, Any]]:
+def compact_calls(content: str) -> list[dict[str, Any]]:
+    """The calls of a content made only of compact calls ``name(key=value,...)`` (one per line), else []."""
+    from pipeline.environment.toolcalls import parse_compact_call
+
+    lines = [line for line in content.strip().splitlines() if line.strip()]
+    calls = [parse_compact_call(line) for line in lines]
+    if not calls or any(c is None for c in calls):
+        return []
+    return calls  # type: ignore[return-value]
+
+
+def extract_calls(
+    message: dict[str, Any], *, accept_content_json: bool, accept_content_compact: bool = False
+) -> list[dict[str, Any]]:
     """The calls of an assistant message as ``[{"name", "arguments"}]``; arguments stay raw (str or dict).
 
     Reads OpenAI ``tool_calls``; otherwise (when allowed) a JSON content ``{"name", "arguments"}`` or a
-    list of those.
+    list of those, or a content made only of compact calls ``name(key=value,...)``.
     """
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {}) if isinstance(call, dict) else {}
         calls.append({"name": fn.get("name"), "arguments": fn.get("arguments", "{}")})
-    if calls or not accept_content_json:
-        return calls
     content = message.get("content")
-    if not isinstance(content, str) or "{" not in content:
+    if calls or not isinstance(content, str):
+        return calls
+    if accept_content_compact and "(" in content:
+        calls = compact_calls(content)
+        if calls:
+            return calls
+    if not accept_content_json or "{" not in content:
         return []
     try:
         data = parse_json_content(content)
@@ -37,9 +54,15 @@ def extract_calls(message: dict[str, Any], *, accept_content_json: bool) -> list
     return calls
 
 
-def called_tool(message: dict[str, Any], *, accept_content_json: bool = True) -> bool:
+def called_tool(
+    message: dict[str, Any], *, accept_content_json: bool = True, accept_content_compact: bool = True
+) -> bool:
     """Whether an assistant message contains at least one tool call."""
-    return bool(extract_calls(message, accept_content_json=accept_content_json))
+    return bool(
+        extract_calls(
+            message, accept_content_json=accept_content_json, accept_content_compact=accept_content_compact
+        )
+    )
 
 
 def _arguments(raw: Any) -> dict[str, Any]:
@@ -76,7 +99,11 @@ def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any],
 
 def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
     """1 when every call is valid against the harness tools and (if given) one matches the expected call."""
-    calls = extract_calls(ctx.message, accept_content_json=cfg.accept_content_json)
+    calls = extract_calls(
+        ctx.message,
+        accept_content_json=cfg.accept_content_json,
+        accept_content_compact=cfg.accept_content_compact,
+    )
     if not calls:
         if cfg.require_call and ctx.is_final and not ctx.specialist_called_tool:
             return ScorerOutcome(0.0, "no tool call")
