@@ -94,3 +94,51 @@ def score_experience(
     """Score all unscored experience under a contract version (default: the champion's contract)."""
     contract_version_id = resolve_contract_task(lineage, contract, version)
     return score_experience_task(contract_version_id, rescore)
+
+
+def _not_a_user_error(task, task_run, state) -> bool:
+    """Retry transient failures (a locked database, a dropped connection), never a user's mistake."""
+    from pipeline.errors import RatchetError
+
+    try:
+        state.result()
+    except RatchetError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def _step_task():
+    from prefect.cache_policies import NO_CACHE
+
+    @task(
+        retries=TRANSIENT_RETRIES,
+        retry_delay_seconds=RETRY_DELAY_S,
+        retry_condition_fn=_not_a_user_error,
+        cache_policy=NO_CACHE,
+    )
+    def advance_step(fn, kwargs):
+        return fn(**kwargs)
+
+    return advance_step
+
+
+@flow(name="advance_generation")
+def advance_generation(generations: int = 1, config=None, tracker=None, progress=None) -> list[dict]:
+    """Advance the lineage by ``generations`` cycles: collect, score, curate, train, co-design, evaluate, decide.
+
+    Each step runs as a Prefect task; a crashed run continues the same candidate when started again.
+    """
+    from pipeline.advance import AdvanceConfig, advance_once
+
+    config = config or AdvanceConfig()
+    step = _step_task()
+
+    def run_step(name, fn, **kwargs):
+        return step.with_options(name=name)(fn, kwargs)
+
+    return [
+        advance_once(config=config, tracker=tracker, progress=progress, run_step=run_step)
+        for _ in range(generations)
+    ]

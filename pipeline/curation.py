@@ -189,22 +189,12 @@ def load_candidates(*, session: Any, contract_version_id: int, lineage: str | No
 
 
 def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
-    """Save with ``datasets.Dataset.save_to_disk``; return (sha256 over the saved files, rows)."""
-    from datasets import Dataset
+    """Save with ``datasets.Dataset.save_to_disk``; return (sha256 of the conversations, rows)."""
+    import datasets
 
-    path = Path(path)
-    rows = [
-        {"messages": json.dumps(e["messages"]), "score": e["score"], "experience_id": e["experience_id"]}
-        for e in examples
-    ]
-    Dataset.from_list(rows, features=None).save_to_disk(str(path))
-    return dataset_sha256(path), len(rows)
+    from pipeline.training import dataset_sha256
 
-
-def dataset_sha256(path: Path) -> str:
-    """sha256 over a saved dataset directory's data files (names and bytes, in sorted order)."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix == ".arrow"):
-        digest.update(file.relative_to(path).as_posix().encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
+    datasets.disable_progress_bars()
+    rows = [{"messages": e["messages"], "score": e["score"], "experience_id": e["experience_id"]} for e in examples]
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return dataset_sha256(rows), len(rows)

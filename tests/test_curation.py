@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.contract import load_contract
-from pipeline.curation import Candidate, dataset_sha256, prompt_key, save_dataset, select_examples
+from pipeline.curation import Candidate, prompt_key, save_dataset, select_examples
+from pipeline.training import dataset_sha256
 
 CONTRACT = load_contract(Path(__file__).resolve().parent.parent / "contracts" / "demo.yaml")
 
@@ -77,7 +78,8 @@ def test_saved_dataset_is_hashed(tmp_path):
         }
     ]
     digest, n = save_dataset(examples, tmp_path / "ds")
-    assert n == 1 and digest == dataset_sha256(tmp_path / "ds") and len(digest) == 64
     from datasets import load_from_disk
 
-    assert load_from_disk(str(tmp_path / "ds"))[0]["experience_id"] == 1
+    saved = load_from_disk(str(tmp_path / "ds")).to_list()
+    assert n == 1 and digest == dataset_sha256(saved) and len(digest) == 64
+    assert saved[0]["experience_id"] == 1 and saved[0]["messages"][1]["content"] == "yo"

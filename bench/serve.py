@@ -1,0 +1,318 @@
+"""Mixture-of-LoRA serving benchmark, every figure measured side by side in one run.
+
+    .venv/bin/python bench/serve.py [--requests 64] [--new-tokens 32] [--batch 64] [--clients 32]
+
+On the demo's tiny model (``TinyModelConfig`` architecture; an existing build under ``--model-dir`` is
+used, otherwise the same architecture with random weights: throughput does not depend on the weights)
+with four random LoRA adapters shaped like the training job's (rank 16, all linear layers):
+
+1. base-only batched: the plain base model (no peft), all requests in batches of ``--batch``;
+2. mixed-adapter batched: the four adapters mixed in the same batches
+   (``segments``: rows grouped by adapter, ``pipeline.serving.mixlora``; also peft's own ``adapter_names``);
+3. naive: one request at a time, switching peft's active adapter per request (batch size 1);
+4. HTTP: ``--clients`` concurrent OpenAI clients against ``create_app`` on uvicorn (routing, views,
+   summaries and experience logging included): p50 / p95 latency and requests per second.
+
+Every row decodes exactly ``--new-tokens`` tokens (end tokens are ignored) so the modes do equal work.
+Targets (issue 4): mixed/base >= 0.7, mixed/naive >= 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPECIALISTS = ("chat", "agent", "coding", "genui")
+
+
+def build_models(root: Path, model_dir: Path | None) -> tuple[Path, dict[str, Path]]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from pipeline.tinymodel import TinyModelConfig, _model_config, build_tokenizer
+    from pipeline.training import ALL_LINEAR, TrainConfig
+
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        base = model_dir
+    else:
+        base = root / "base"
+        torch.manual_seed(0)
+        tok = build_tokenizer()
+        LlamaForCausalLM(_model_config(TinyModelConfig(), tok)).save_pretrained(base)
+        tok.save_pretrained(base)
+    train = TrainConfig()
+    adapters = {}
+    for i, name in enumerate(SPECIALISTS):
+        torch.manual_seed(100 + i)
+        model = AutoModelForCausalLM.from_pretrained(base)
+        cfg = LoraConfig(
+            r=train.rank, lora_alpha=train.alpha, target_modules=list(ALL_LINEAR), init_lora_weights=False
+        )
+        peft_model = get_peft_model(model, cfg)
+        adapters[name] = root / f"adapter-{name}"
+        peft_model.save_pretrained(adapters[name])
+    return base, adapters
+
+
+def prompts(n: int) -> list[tuple[str, str]]:
+    """``n`` environment prompts, the four families interleaved (so every batch mixes all adapters)."""
+    from pipeline.environment import FAMILIES, sample_prompts
+
+    per = n // len(FAMILIES) + 1
+    by_family = {fam: sample_prompts(fam, per, seed=1) for fam in FAMILIES}
+    items = [(fam, by_family[fam][i]["messages"][-1]["content"]) for i in range(per) for fam in FAMILIES]
+    return items[:n]
+
+
+def timed_generate(rt, reqs, batch: int, mode: str | None = None) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds): on a shared machine the CPU time is the steadier figure."""
+    if mode is not None:
+        rt.segmented.mode = mode
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i in range(0, len(reqs), batch):
+        rt.generate(reqs[i : i + batch])
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def naive(rt, reqs) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    kwargs = rt._adapter_kwargs
+    rt._adapter_kwargs = lambda names: {}  # plain forward with the active adapter
+    try:
+        for r in reqs:
+            rt.model.set_adapter(r.adapter)
+            rt.generate([r])
+    finally:
+        rt._adapter_kwargs = kwargs
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+async def http_latency(
+    url: str, texts: list[str], clients: int, new_tokens: int
+) -> tuple[list[float], float]:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for t in texts:
+        queue.put_nowait(t)
+    latencies: list[float] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            text = queue.get_nowait()
+            t0 = time.perf_counter()
+            r = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "ratchet",
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": new_tokens,
+                },
+            )
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        await asyncio.gather(*[client(http) for _ in range(clients)])
+    return latencies, time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5, help="best of N interleaved rounds (in-process modes)")
+    ap.add_argument(
+        "--model-dir", type=Path, default=None, help="a built tiny model (default: random weights)"
+    )
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (a tiny model is fastest with 1)"
+    )
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    from pipeline.serving.runtime import AdapterSource, GenerationRequest, load_runtime
+    from pipeline.spec import file_sha256
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base, adapters = build_models(root, args.model_dir)
+        sources = [
+            AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
+            for s, p in adapters.items()
+        ]
+        mixed_rt = load_runtime(base, sources, device=args.device)
+        peft_rt = load_runtime(base, sources, device=args.device, mix="peft")
+        base_rt = load_runtime(base, [], specialists=list(SPECIALISTS), device=args.device)
+        for rt in (mixed_rt, peft_rt, base_rt):
+            rt.end_ids = set()  # fixed-length rows: equal work in every mode
+        items = prompts(args.requests)
+        mixed = [
+            GenerationRequest(fam, tuple(mixed_rt.encode([{"role": "user", "content": t}])), args.new_tokens)
+            for fam, t in items
+        ]
+        base_only = [GenerationRequest("__base__", r.prompt_ids, r.max_new_tokens) for r in mixed]
+        tokens = len(mixed) * args.new_tokens
+        timed_generate(mixed_rt, mixed[:4], 4)  # warm-up
+        timed_generate(base_rt, base_only[:4], 4)
+        # interleaved rounds, best of each: the modes see the same machine load
+        default_mode = mixed_rt.segmented.mode
+        modes = {
+            "base": lambda: timed_generate(base_rt, base_only, args.batch),
+            "mixed": lambda: timed_generate(mixed_rt, mixed, args.batch, default_mode),
+            "stacked": lambda: timed_generate(mixed_rt, mixed, args.batch, "stacked"),
+            "peft": lambda: timed_generate(peft_rt, mixed, args.batch),
+        }
+        rounds = [{name: run() for name, run in modes.items()} for _ in range(args.repeats)]
+        mixed_rt.segmented.mode = default_mode
+        best = {name: tuple(min(r[name][i] for r in rounds) for i in range(2)) for name in modes}
+        t_naive = naive(peft_rt, mixed)
+
+        lat, wall = run_http(root, base, sources, items, args)
+
+    print(
+        f"requests {len(mixed)}, {args.new_tokens} new tokens each, batch {args.batch}, device {args.device}, "
+        f"torch threads {torch.get_num_threads()}, mixed-LoRA mode {mixed_rt.segmented.mode}"
+    )
+    best["naive"] = t_naive
+
+    def line(label: str, name: str, against: str = "base", target: str = "") -> str:
+        (wall, cpu), (ref_wall, ref_cpu) = best[name], best[against]
+        ratio = (
+            f"  vs {against}: {ref_wall / wall:5.2f}x wall, {ref_cpu / cpu:5.2f}x cpu {target}"
+            if name != against
+            else ""
+        )
+        return f"{label:34s} {tokens / wall:8.0f} tok/s wall {tokens / cpu:8.0f} tok/s cpu{ratio}"
+
+    print(line("base-only batched", "base"))
+    print(line(f"mixed-adapter batched ({default_mode})", "mixed", target="(target >= 0.7)"))
+    print(line("mixed-adapter batched (stacked)", "stacked"))
+    print(line("mixed, peft adapter_names", "peft"))
+    print(line("naive per-request (bs1)", "naive"))
+    print(line("mixed vs naive", "mixed", against="naive", target="(target >= 3)"))
+    p50 = statistics.median(lat)
+    p95 = statistics.quantiles(lat, n=20)[-1]
+    print(
+        f"HTTP {args.clients} clients, {len(lat)} requests: p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
+        f"{len(lat) / wall:.1f} req/s"
+    )
+
+
+def _targets(path: Path) -> list[str]:
+    import json
+
+    return json.loads((path / "adapter_config.json").read_text())["target_modules"]
+
+
+class ServerThread:
+    """uvicorn on 127.0.0.1 (a free port) in a background thread."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def run_http(root: Path, base: Path, sources, items, args) -> tuple[list[float], float]:
+    from pipeline.harness import load_harness
+    from pipeline.registry import (
+        create_adapter,
+        create_generation,
+        get_engine,
+        promote_generation,
+        register_base_model,
+        register_contract,
+        register_harness,
+        session_scope,
+        upgrade_db,
+    )
+    from pipeline.serving.served import ServeConfig
+    from pipeline.serving.server import create_app
+
+    url = f"sqlite:///{root / 'bench.db'}"
+    upgrade_db(url)
+    harness = load_harness(Path(__file__).resolve().parent.parent / "harnesses" / "demo.yaml")
+    with session_scope(get_engine(url)) as s:
+        b = register_base_model(session=s, name="tiny", path=str(base), spec={})
+        hv = register_harness(
+            session=s, name=harness.name, version=harness.version, spec=harness.model_dump(mode="json")
+        )
+        cv = register_contract(session=s, name="bench", version="1", spec={})
+        ids = {
+            src.specialist: create_adapter(
+                session=s,
+                specialist=src.specialist,
+                base_model_id=b.id,
+                rank=src.rank,
+                alpha=32,
+                target_modules=list(src.target_modules),
+                artifact_uri=str(src.path),
+                sha256=src.sha256,
+            ).id
+            for src in sources
+        }
+        gen = create_generation(
+            session=s,
+            base_model_id=b.id,
+            harness_version_id=hv.id,
+            contract_version_id=cv.id,
+            specialists=list(SPECIALISTS),
+            adapters=ids,
+        )
+        promote_generation(session=s, generation=gen)
+    app = create_app(
+        ServeConfig(
+            registry_url=url, device=args.device, poll_seconds=0, max_batch_size=args.batch, max_wait_ms=5
+        )
+    )
+    with ServerThread(app) as srv:
+        app.state.ratchet.current.engine.runtime.end_ids = set()
+        asyncio.run(http_latency(srv.url, [t for _, t in items[:8]], 8, args.new_tokens))  # warm-up
+        return asyncio.run(http_latency(srv.url, [t for _, t in items], args.clients, args.new_tokens))
+
+
+if __name__ == "__main__":
+    main()

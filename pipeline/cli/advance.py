@@ -1,0 +1,285 @@
+"""Generation commands: advance, lineage, promote, rollback, demo."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.cli import app
+from pipeline.errors import RatchetError
+
+LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
+
+
+def lineage_rows(lineage: str) -> list[dict[str, Any]]:
+    """The lineage as plain data (what `ratchet lineage --json` prints)."""
+    from pipeline.registry import get_engine, list_generations, session_scope
+
+    rows = []
+    with session_scope(get_engine()) as session:
+        gens = list_generations(session=session, lineage=lineage)
+        numbers = {g.id: g.number for g in gens}
+        for g in gens:
+            ev = g.evaluation or {}
+            rows.append(
+                {
+                    "generation": g.number,
+                    "parent": numbers.get(g.parent_id),
+                    "status": g.status,
+                    "harness": g.harness_version.version,
+                    "adapters": {
+                        a.specialist: (f"v{a.adapter.version}" if a.adapter else None) for a in g.adapters
+                    },
+                    "scores": ev.get("scores", {}),
+                    "overall": ev.get("overall"),
+                    "decision": g.decision,
+                    "step": g.step,
+                    "created_at": g.created_at.isoformat(),
+                }
+            )
+    return rows
+
+
+def print_lineage(lineage: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = lineage_rows(lineage)
+    if not rows:
+        raise RatchetError(f"lineage {lineage!r} has no generations: run `ratchet init`")
+    specialists = sorted({s for r in rows for s in r["adapters"]})
+    table = Table(title=f"lineage {lineage}", show_lines=False)
+    for col in ("gen", "parent", "status", "harness", *(f"{s}" for s in specialists), "overall", "decision"):
+        table.add_column(col, overflow="fold", max_width=56 if col == "decision" else None,
+                         no_wrap=col != "decision")
+    for r in rows:
+        cells = []
+        for s in specialists:
+            score = r["scores"].get(s)
+            adapter = r["adapters"].get(s) or "-"
+            cells.append(f"{adapter} {score:.3f}" if score is not None else adapter)
+        overall = f"{r['overall']:.3f}" if r["overall"] is not None else "-"
+        style = "bold green" if r["status"] == "promoted" else None
+        table.add_row(
+            str(r["generation"]),
+            "-" if r["parent"] is None else str(r["parent"]),
+            r["status"],
+            r["harness"],
+            *cells,
+            overall,
+            r["decision"] or "",
+            style=style,
+        )
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
+
+
+@app.command("lineage")
+def lineage_cmd(
+    lineage: LineageOpt = "main",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show every generation: parent, status, harness, adapters, held-out scores and the decision."""
+    if as_json:
+        typer.echo(json.dumps(lineage_rows(lineage), indent=2))
+    else:
+        print_lineage(lineage)
+
+
+def make_tracker():
+    """The MLflow tracker on the configured store (None if tracking is disabled)."""
+    from pipeline.tracking import MLflowTracker
+
+    return MLflowTracker.from_settings()
+
+
+def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flows import advance_generation
+
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total or None)
+            bar.update(tasks[phase], completed=done, total=total or None)
+
+        outcomes = []
+        for _ in range(generations):
+            outcome = advance_generation(
+                generations=1, config=config, tracker=make_tracker(), progress=progress
+            )[0]
+            for task_id in tasks.values():
+                bar.remove_task(task_id)
+            tasks.clear()
+            typer.echo(f"generation {outcome['generation']}: {outcome['status']} — {outcome['decision']}")
+            outcomes.append(outcome)
+    return outcomes
+
+
+@app.command("advance")
+def advance_cmd(
+    generations: Annotated[int, typer.Option(min=1, help="Advancement cycles to run.")] = 1,
+    lineage: LineageOpt = "main",
+    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist.")] = 750,
+    samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
+    codesign: Annotated[bool, typer.Option(help="Try harness variants with the new adapters.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of sampling, data order and initialisation.")] = 0,
+) -> None:
+    """Build the next generation(s) from the champion; promote each only if it beats its parent."""
+    from pipeline.advance import AdvanceConfig
+
+    config = AdvanceConfig(
+        lineage=lineage,
+        prompts_per_specialist=prompts,
+        samples_per_prompt=samples,
+        codesign=codesign,
+        seed=seed,
+    )
+    ensure_base_model(lineage)
+    run_advance(generations, config)
+    print_lineage(lineage)
+
+
+def ensure_base_model(lineage: str) -> None:
+    """Build the lineage's tiny base model if it is not there yet (real bases must already exist)."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pipeline.modelspec import ModelSpec
+    from pipeline.registry import get_champion, get_engine, session_scope
+
+    with session_scope(get_engine()) as session:
+        champion = get_champion(session=session, lineage=lineage)
+        if champion is None:
+            raise RatchetError(f"lineage {lineage!r} has no champion: run `ratchet init` first")
+        spec = ModelSpec.model_validate(champion.base_model.spec)
+        path = Path(champion.base_model.path)
+    if (path / "config.json").is_file():
+        return
+    if spec.base.tiny is None:
+        raise RatchetError(f"base model directory {path} is missing (no config.json)")
+    from pipeline.environment import training_corpus
+    from pipeline.tinymodel import build_tiny_model
+
+    config = spec.base.tiny.to_tiny_model_config()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("bootstrap the tiny base model", total=config.bootstrap_steps, loss=float("nan"))
+        build_tiny_model(
+            config=config,
+            corpus_texts=training_corpus(config.corpus_size, config.seed),
+            output_dir=path,
+            progress=lambda step, total, loss: bar.update(task, completed=step, loss=loss),
+        )
+    typer.echo(f"built the tiny base model at {path}")
+
+
+@app.command("promote")
+def promote_cmd(
+    generation: Annotated[int, typer.Argument(help="Generation number.")],
+    lineage: LineageOpt = "main",
+    reason: Annotated[str, typer.Option(help="Why (kept in the audit log).")] = "manual override",
+) -> None:
+    """Make GENERATION the champion by hand (audited); refused when it makes no sense."""
+    from pipeline.registry import get_engine, get_generation, promote_generation, session_scope
+
+    with session_scope(get_engine()) as session:
+        gen = get_generation(session=session, number=generation, lineage=lineage)
+        if gen.status in ("candidate", "evaluating"):
+            raise RatchetError(
+                f"generation {generation} is still being built ({gen.status}): let `ratchet advance` "
+                "finish it first"
+            )
+        promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor="cli")
+        _move_aliases(session, gen, lineage)
+    typer.echo(f"generation {generation} is now the champion of {lineage!r}")
+
+
+def _move_aliases(session: Any, gen: Any, lineage: str) -> None:
+    from pipeline.successor import registered_model_name
+
+    tracker = None
+    for slot in gen.adapters:
+        if slot.adapter is not None and slot.adapter.mlflow_model_version:
+            tracker = tracker or make_tracker()
+            tracker.set_alias(
+                registered_model_name(lineage, slot.specialist), "champion", slot.adapter.mlflow_model_version
+            )
+
+
+@app.command("rollback")
+def rollback_cmd(lineage: LineageOpt = "main") -> None:
+    """Retire the champion and restore its parent (audited)."""
+    from pipeline.registry import get_engine, rollback_champion, session_scope
+
+    with session_scope(get_engine()) as session:
+        restored = rollback_champion(session=session, lineage=lineage, actor="cli")
+        _move_aliases(session, restored, lineage)
+        number = restored.number
+    typer.echo(f"rolled back: generation {number} is the champion of {lineage!r} again")
+
+
+@app.command("demo")
+def demo_cmd(
+    generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 3,
+    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")] = 750,
+    samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the run.")] = 0,
+    lineage: LineageOpt = "main",
+) -> None:
+    """The whole loop on embedded defaults: build the tiny base, register generation 0, advance, show the lineage."""
+    import time
+
+    from pipeline.advance import AdvanceConfig
+    from pipeline.lineage import init_lineage
+    from pipeline.settings import get_settings
+
+    started = time.perf_counter()
+    settings = get_settings()
+    root = __import__("pipeline.cli.core", fromlist=["REPO_ROOT"]).REPO_ROOT
+    result = init_lineage(
+        contract_path=root / "contracts" / "demo.yaml",
+        harness_path=root / "harnesses" / "demo.yaml",
+        model_path=root / "models" / "tiny.yaml",
+        lineage=lineage,
+    )
+    typer.echo(result.describe())
+    ensure_base_model(lineage)
+    config = AdvanceConfig(
+        lineage=lineage, prompts_per_specialist=prompts, samples_per_prompt=samples, seed=seed
+    )
+    run_advance(generations, config)
+    print_lineage(lineage)
+    rows = [r for r in lineage_rows(lineage) if r["overall"] is not None]
+    if rows:
+        first, best = rows[0], max(rows, key=lambda r: r["overall"] if r["status"] == "promoted" else -1)
+        typer.echo(
+            f"held-out contract score: generation {first['generation']} {first['overall']:.3f} -> "
+            f"champion (generation {best['generation']}) {best['overall']:.3f}"
+        )
+    typer.echo(f"demo finished in {time.perf_counter() - started:.0f}s. Next:")
+    typer.echo("  ratchet lineage --json                       # the lineage as JSON")
+    typer.echo(f"  mlflow ui --backend-store-uri {settings.tracking_uri}   # runs, loss curves, adapters")
+    typer.echo(
+        "  ratchet serve                                # the champion behind an OpenAI-compatible API"
+    )

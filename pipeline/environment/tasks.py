@@ -1,0 +1,157 @@
+"""The simulated deployment: four task families with verifiable outcomes and a disjoint held-out split.
+
+Every item is an addition problem ``a+b`` (10 <= a, b <= 99) wrapped in one family's format; the sum is
+the hard, learnable part, the format is easy. Formats are short so a ~1M-parameter char-level model can
+produce them (user prompt -> assistant answer):
+
+============  ==========================  ==========================================================
+family        prompt                      answer (checked by)
+============  ==========================  ==========================================================
+``chat``      ``12+35=?``                 ``47`` (exact match on ``metadata.expected``)
+``agent``     ``timer 12+35`` /           ``set_timer(minutes=47)`` / ``add_item(name=egg,qty=47)``
+              ``add 12+35 egg``           (compact tool call, see ``toolcalls``: JSON schema of the
+                                          tool + the resulting state of the action substrate)
+``coding``    ``f adds 12 35``            ``def f(x):return x+47`` (``metadata.tests`` run on the code)
+``genui``     ``counter 12+35`` /         ``{"type":"counter","value":47}`` (``metadata.schema``,
+              ``progress 12+35``          a JSON Schema whose ``const`` pins the value)
+============  ==========================  ==========================================================
+
+Split: the canonical problem is the pair ``(a, b)``; ``split_of(a, b)`` puts ~20% of all pairs in
+``heldout`` by a hash of ``"a+b"``, for every family at once, so no held-out sum is ever practised in any
+format. Training streams (``sample_prompts``, ``training_corpus``) only draw train pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import Any
+
+from pipeline.environment.toolcalls import TOOLS, format_compact_call, openai_tool_call
+
+FAMILIES: tuple[str, ...] = ("chat", "agent", "coding", "genui")
+LOW, HIGH = 10, 99
+HELDOUT_PER_256 = 52  # ~20% of the 8,100 pairs
+ITEMS = ("egg", "milk", "tea", "rice", "salt", "jam")
+WIDGETS = ("counter", "progress")
+WIDGET_KEY = {"counter": "value", "progress": "percent"}
+
+
+def split_of(a: int, b: int) -> str:
+    """``heldout`` or ``train`` for the canonical problem ``a+b`` (a pure function of the pair)."""
+    return "heldout" if hashlib.sha256(f"{a}+{b}".encode()).digest()[0] < HELDOUT_PER_256 else "train"
+
+
+def _pairs(split: str) -> list[tuple[int, int]]:
+    return [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1) if split_of(a, b) == split]
+
+
+def is_heldout(task_id: str) -> bool:
+    """Whether an environment task id (``family:...:a+b``) belongs to the held-out split."""
+    try:
+        a, b = (int(x) for x in task_id.rsplit(":", 1)[1].split("+"))
+    except (ValueError, IndexError):
+        raise ValueError(f"not an environment task id: {task_id!r}") from None
+    return split_of(a, b) == "heldout"
+
+
+def make_item(family: str, a: int, b: int, variant: int = 0) -> dict[str, Any]:
+    """The task item (a trace without the assistant turn) for ``a+b`` in ``family``; ``variant`` picks
+    the tool / item name / widget where the family has several."""
+    total = a + b
+    meta: dict[str, Any] = {"task": family, "specialist": family, "split": split_of(a, b)}
+    if family == "chat":
+        prompt, task_id = f"{a}+{b}=?", f"chat:{a}+{b}"
+        meta["expected"] = str(total)
+    elif family == "agent":
+        if variant % 2 == 0:
+            prompt, call = f"timer {a}+{b}", {"name": "set_timer", "arguments": {"minutes": total}}
+            task_id = f"agent:set_timer:{a}+{b}"
+        else:
+            name = ITEMS[(variant // 2) % len(ITEMS)]
+            prompt, call = (
+                f"add {a}+{b} {name}",
+                {"name": "add_item", "arguments": {"name": name, "qty": total}},
+            )
+            task_id = f"agent:add_item:{name}:{a}+{b}"
+        meta["expected_call"] = call
+        meta["expected"] = format_compact_call(call["name"], call["arguments"])
+        meta["tools"] = TOOLS
+    elif family == "coding":
+        prompt, task_id = f"f adds {a} {b}", f"coding:{a}+{b}"
+        meta["expected"] = f"def f(x):return x+{total}"
+        meta["tests"] = f"assert f(0)=={total}\nassert f(7)=={total + 7}\n"
+    elif family == "genui":
+        widget = WIDGETS[variant % len(WIDGETS)]
+        key = WIDGET_KEY[widget]
+        prompt, task_id = f"{widget} {a}+{b}", f"genui:{widget}:{a}+{b}"
+        meta["expected"] = json.dumps({"type": widget, key: total}, separators=(",", ":"))
+        meta["schema"] = {
+            "type": "object",
+            "properties": {"type": {"const": widget}, key: {"type": "integer", "const": total}},
+            "required": ["type", key],
+            "additionalProperties": False,
+        }
+    else:
+        raise ValueError(f"unknown task family {family!r}; expected one of {', '.join(FAMILIES)}")
+    meta["task_id"] = task_id
+    return {"messages": [{"role": "user", "content": prompt}], "metadata": meta, "feedback": None}
+
+
+def reference_answer(item: dict[str, Any]) -> str:
+    """The correct completion text (the model-facing form) for an item."""
+    return item["metadata"]["expected"]
+
+
+def assistant_message(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
+    """The OpenAI-shaped assistant message for a completion (tool calls parsed for ``agent``)."""
+    from pipeline.environment.toolcalls import parse_compact_call
+
+    if item["metadata"]["task"] == "agent":
+        call = parse_compact_call(completion_text)
+        if call is not None:
+            tc = openai_tool_call(call, seed_text=item["metadata"]["task_id"])
+            return {"role": "assistant", "content": None, "tool_calls": [tc]}
+    return {"role": "assistant", "content": completion_text}
+
+
+def completion_trace(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
+    """The full trace of ``item`` answered with ``completion_text``."""
+    return {
+        "messages": [*item["messages"], assistant_message(item, completion_text)],
+        "metadata": dict(item["metadata"]),
+        "feedback": None,
+    }
+
+
+def _draw(rng: random.Random, pairs: list[tuple[int, int]], family: str) -> dict[str, Any]:
+    a, b = rng.choice(pairs)
+    return make_item(family, a, b, variant=rng.randrange(12))
+
+
+def sample_prompts(family: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` task items of ``family`` from the training split (with repeats), deterministic by seed."""
+    rng = random.Random(f"prompts:{family}:{seed}")
+    pairs = _pairs("train")
+    return [_draw(rng, pairs, family) for _ in range(n)]
+
+
+def heldout_suite(family: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` distinct held-out items of ``family`` (all held-out pairs when ``n`` exceeds them)."""
+    rng = random.Random(f"heldout:{family}:{seed}")
+    pairs = _pairs("heldout")
+    chosen = rng.sample(pairs, min(n, len(pairs)))
+    return [make_item(family, a, b, variant=rng.randrange(12)) for a, b in chosen]
+
+
+def training_corpus(n: int, seed: int, families: tuple[str, ...] = FAMILIES) -> list[dict[str, Any]]:
+    """``n`` complete traces (prompt + reference answer) from the training split, families interleaved;
+    used for bootstrap pre-training of the tiny base model."""
+    rng = random.Random(f"corpus:{seed}")
+    pairs = _pairs("train")
+    out = []
+    for i in range(n):
+        item = _draw(rng, pairs, families[i % len(families)])
+        out.append(completion_trace(item, reference_answer(item)))
+    return out

@@ -1,0 +1,179 @@
+"""Batched sampling and greedy decoding over a Hugging Face causal LM (optionally with a LoRA adapter).
+
+A small custom loop instead of ``model.generate``: left-padded batches (prompts of similar length
+grouped together), the model's KV cache, ``torch.inference_mode``, temperature / top-p sampling with a
+seeded ``torch.Generator``, ``k`` samples per prompt, end-of-sequence and stop strings, and rows that
+finished are no longer decoded once the whole batch is done. For a tiny model the per-step Python
+overhead of ``generate`` dominates, so this loop is several times faster there (see ``bench/``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to decode: ``temperature == 0`` means greedy (and ``num_samples`` must then be 1)."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    num_samples: int = 1
+    max_new_tokens: int = 32
+    stop: tuple[str, ...] = ()
+    batch_size: int = 256
+    seed: int = 0
+
+
+GREEDY = SamplingConfig(temperature=0.0, num_samples=1)
+
+
+def attn_implementation_for(base_model_dir: Path) -> str | None:
+    """The attention implementation a model directory asks for (tiny builds record ``eager`` in build.json)."""
+    build = Path(base_model_dir) / "build.json"
+    return json.loads(build.read_text()).get("attn_implementation") if build.is_file() else None
+
+
+def load_model(
+    base_model_dir: Path, adapter_dir: Path | None = None, *, merge: bool = True
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for inference; with ``adapter_dir`` the LoRA is applied (and merged into
+    a private copy of the weights when ``merge``, which makes decoding faster). Offline only."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    tokenizer.padding_side = "left"
+    attn = attn_implementation_for(base_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        base_model_dir, **({"attn_implementation": attn} if attn else {})
+    )
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+        if merge:
+            model = model.merge_and_unload()
+    model.eval()
+    return model, tokenizer
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    config: SamplingConfig = GREEDY,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[str]]:
+    """Decode ``config.num_samples`` completions for each prompt text; returns one list per prompt.
+
+    Prompts are already rendered (e.g. ``packing.render_prompt``) and tokenized without extra special
+    tokens. Completions stop at the tokenizer's eos token, at the first stop string (excluded from the
+    text) or after ``max_new_tokens``. ``progress(done_sequences, total_sequences)`` after each batch.
+    """
+    import torch
+
+    if config.temperature == 0 and config.num_samples != 1:
+        raise ValueError("greedy decoding (temperature 0) gives one completion per prompt; set num_samples=1")
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    jobs = [(p, s) for p in range(len(prompts)) for s in range(config.num_samples)]
+    jobs.sort(key=lambda j: len(encoded[j[0]]))  # similar lengths share a batch: little left padding
+    out: list[list[str]] = [[""] * config.num_samples for _ in prompts]
+    gen = torch.Generator().manual_seed(config.seed)
+    pieces = _token_pieces(tokenizer)
+    total = len(jobs)
+    with torch.inference_mode():
+        for start in range(0, total, config.batch_size):
+            chunk = jobs[start : start + config.batch_size]
+            texts = _decode_batch(model, tokenizer, [encoded[p] for p, _ in chunk], config, gen, pieces)
+            for (p, s), text in zip(chunk, texts, strict=True):
+                out[p][s] = text
+            if progress is not None:
+                progress(min(start + config.batch_size, total), total)
+    return out
+
+
+def _token_pieces(tokenizer: Any) -> list[str]:
+    """The text each token id contributes (for incremental stop-string checks)."""
+    vocab = len(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    return ["" if i in special else tokenizer.decode([i]) for i in range(vocab)]
+
+
+def _decode_batch(
+    model: Any, tokenizer: Any, prompts: list[list[int]], config: SamplingConfig, gen: Any, pieces: list[str]
+) -> list[str]:
+    import torch
+
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    eos = tokenizer.eos_token_id
+    texts = [""] * batch
+    done = torch.zeros(batch, dtype=torch.bool)
+    past = None
+    cache_kw = _cache_keyword(model)
+    step_ids, step_pos = input_ids, positions
+    for _ in range(config.max_new_tokens):
+        result = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True, **{cache_kw: past}
+        )
+        past = getattr(result, cache_kw)
+        next_ids = _pick(result.logits[:, -1, :].float(), config, gen)
+        next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
+        newly_done = next_ids == eos
+        ids_list = next_ids.tolist()
+        for i in (~done & ~newly_done).nonzero().flatten().tolist():
+            texts[i] += pieces[ids_list[i]]
+            if config.stop and any(s in texts[i] for s in config.stop):
+                newly_done[i] = True
+        done |= newly_done
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        step_pos = step_pos[:, -1:] + 1
+        step_ids = next_ids[:, None]
+    return [_cut(t, config.stop) for t in texts]
+
+
+def _cache_keyword(model: Any) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` (model kwarg and output field)."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(core.forward).parameters else "past_key_values"
+
+
+def _pick(logits: Any, config: SamplingConfig, gen: Any) -> Any:
+    import torch
+
+    if config.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / config.temperature, dim=-1)
+    if config.top_p < 1.0:
+        sorted_probs, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < config.top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_probs)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> str:
+    for s in stop:
+        at = text.find(s)
+        if at >= 0:
+            text = text[:at]
+    return text

@@ -1,0 +1,106 @@
+"""Chat examples as token ids with assistant-only labels, and packed batches without cross-attention.
+
+``encode_chat`` renders messages with the tokenizer's own chat template and marks only the assistant
+turns as labels. ``pack_examples`` packs a batch of examples into as few rows as fit ``row_len`` tokens
+(first-fit decreasing); ``packed_tensors`` gives ``input_ids``/``labels``/``position_ids`` with the
+positions restarting at 0 for each example and NO attention mask: transformers (>= 4.56 / 5.x) then
+derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
+so packed examples never attend to each other, with sdpa or eager attention, on CPU too. The first token of
+every example is a prompt token (label -100), so no loss crosses an example boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.environment.toolcalls import compact_from_openai
+
+IGNORE = -100
+
+
+def model_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the tiny model sees them: assistant tool calls become compact text (``toolcalls``)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": compact_from_openai(m["tool_calls"])})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The prompt text for generation: the conversation so far plus the assistant header."""
+    return tokenizer.apply_chat_template(model_messages(messages), tokenize=False, add_generation_prompt=True)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels for a conversation; labels are -100 except on assistant turns (content + end).
+
+    Relies on the template being prefix-stable (rendering ``messages[:i]`` is a prefix of rendering
+    ``messages[:i+1]``), which holds for our template and for common ones.
+    """
+    msgs = model_messages(messages)
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            prefix = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            _append(tokenizer, prefix[len(done) :], ids, labels, train=False)
+            done = prefix
+        full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+        if not full.startswith(done):
+            raise ValueError("chat template is not prefix-stable; cannot locate assistant tokens")
+        _append(tokenizer, full[len(done) :], ids, labels, train=m["role"] == "assistant")
+        done = full
+    return ids[:max_len], labels[:max_len]
+
+
+def _append(tokenizer: Any, text: str, ids: list[int], labels: list[int], *, train: bool) -> None:
+    if not text:
+        return
+    piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids.extend(piece)
+    labels.extend(piece if train else [IGNORE] * len(piece))
+
+
+def pack_examples(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Group example indices into rows of at most ``row_len`` tokens (first-fit decreasing)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        need = min(lengths[i], row_len)
+        for r, free in enumerate(room):
+            if free >= need:
+                rows[r].append(i)
+                room[r] -= need
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - need)
+    return rows
+
+
+def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pad_id: int) -> dict[str, Any]:
+    """Pack examples into a ``[rows, L]`` batch (L = longest packed row) with per-example positions."""
+    import torch
+
+    rows = pack_examples([len(ids) for ids, _ in examples], row_len)
+    width = max(sum(min(len(examples[i][0]), row_len) for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    # Trailing pad continues the positions of a last dummy segment starting at 0 (its labels are ignored).
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            ids, labs = examples[i]
+            n = min(len(ids), row_len)
+            input_ids[r, at : at + n] = torch.tensor(ids[:n])
+            labels[r, at : at + n] = torch.tensor(labs[:n])
+            position_ids[r, at : at + n] = torch.arange(n)
+            at += n
+        position_ids[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}

@@ -1,0 +1,141 @@
+"""A model-harness pair at work: load a generation's specialists and answer task items under its harness.
+
+Used by collection (sampling the champion in the task environment) and by held-out evaluation
+(greedy answers scored under the contract). Each specialist answers its own items with its own
+adapter (or the bare base when it has none yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import RatchetError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """What a generation serves: the base directory, one adapter directory (or None) per specialist, the harness."""
+
+    base_dir: Path
+    adapters: dict[str, Path | None]
+    harness: Any  # HarnessSpec
+
+
+@dataclass
+class ComputeClock:
+    """Seconds spent in model compute (generation, training), for the overhead benchmark."""
+
+    seconds: float = 0.0
+    by_kind: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds += seconds
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
+
+
+CLOCK = ComputeClock()
+
+
+def pair_for_generation(generation: Any) -> PairSpec:
+    """The pair a registry ``Generation`` row describes (adapter files are checked against their sha256)."""
+    from pipeline.harness import HarnessSpec
+    from pipeline.spec import file_sha256
+
+    adapters: dict[str, Path | None] = {}
+    for slot in generation.adapters:
+        if slot.adapter is None:
+            adapters[slot.specialist] = None
+            continue
+        path = Path(slot.adapter.artifact_uri)
+        weights = path / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise RatchetError(f"adapter {slot.specialist} v{slot.adapter.version}: {weights} is missing")
+        if file_sha256(weights) != slot.adapter.sha256:
+            raise RatchetError(
+                f"adapter {slot.specialist} v{slot.adapter.version}: {weights} does not match the sha256 in the "
+                "registry (the file was changed after training)"
+            )
+        adapters[slot.specialist] = path
+    return PairSpec(
+        base_dir=Path(generation.base_model.path),
+        adapters=adapters,
+        harness=HarnessSpec.model_validate(generation.harness_version.spec),
+    )
+
+
+def render_conversation(
+    harness: Any, specialist: str, messages: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The messages the model is given under the harness (system prompt, exemplars, trimmed context)."""
+    from pipeline.prompting import render_messages
+
+    return render_messages(harness, specialist, messages)
+
+
+def answer_items(
+    pair: PairSpec,
+    items_by_specialist: dict[str, list[dict[str, Any]]],
+    *,
+    num_samples: int = 1,
+    temperature: float | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """Answer every item with its specialist; returns, per specialist and item, ``num_samples`` traces.
+
+    ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness).
+    """
+    from pipeline.environment import completion_trace
+    from pipeline.generation import SamplingConfig, generate, load_model
+    from pipeline.prompting import decoding_for
+    from pipeline.packing import render_prompt
+
+    total = sum(len(v) * num_samples for v in items_by_specialist.values())
+    done = 0
+    out: dict[str, list[list[dict[str, Any]]]] = {}
+    for specialist, items in items_by_specialist.items():
+        if not items:
+            out[specialist] = []
+            continue
+        if specialist not in pair.adapters:
+            raise RatchetError(f"the pair has no specialist {specialist!r} (has {sorted(pair.adapters)})")
+        decoding = decoding_for(pair.harness, specialist)
+        temp = decoding.temperature if temperature is None else temperature
+        config = SamplingConfig(
+            temperature=temp,
+            top_p=decoding.top_p if temp > 0 else 1.0,
+            num_samples=num_samples if temp > 0 else 1,
+            max_new_tokens=decoding.max_new_tokens,
+            stop=tuple(decoding.stop),
+            seed=seed,
+        )
+        started = time.perf_counter()
+        model, tokenizer = load_model(pair.base_dir, pair.adapters[specialist])
+        prompts = [
+            render_prompt(tokenizer, render_conversation(pair.harness, specialist, it["messages"]))
+            for it in items
+        ]
+        base_done = done
+
+        share = len(items) * num_samples
+
+        def report(n: int, of: int, base_done: int = base_done, share: int = share) -> None:
+            if progress is not None:
+                progress(base_done + round(share * n / max(of, 1)), total)
+
+        completions = generate(model, tokenizer, prompts, config, progress=report)
+        CLOCK.add("generate", time.perf_counter() - started)
+        del model
+        done += len(items) * num_samples
+        out[specialist] = [
+            [completion_trace(item, text) for text in texts]
+            for item, texts in zip(items, completions, strict=True)
+        ]
+    return out

@@ -1,0 +1,213 @@
+"""Engines that decode for the router: the embedded Mixture-of-LoRA runtime (default) or an external
+OpenAI-compatible multi-LoRA server (vLLM / SGLang serving each adapter under a model name).
+
+Both take the same ``EngineRequest`` (a specialist and its view of the conversation) and yield text
+deltas followed by one ``EngineResult``, so routing, views, summaries and experience logging in front of
+them are identical. ``ratchet serve --expose-adapters`` serves the embedded engine in the external
+engines' shape (model name = specialist), which is how the external path is tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pipeline.errors import RatchetError
+from pipeline.serving.runtime import GenerationRequest, MixtureRuntime
+from pipeline.serving.scheduler import MicroBatchScheduler
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One decode: which specialist, the messages it sees, and decoding parameters."""
+
+    specialist: str
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None  # offered to engines whose models call tools natively
+
+
+@dataclass
+class EngineResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    tool_calls: list[dict[str, Any]] | None = None  # when the engine parsed calls itself (external)
+
+
+class Engine(Protocol):
+    """What the router needs from a decoding backend."""
+
+    context_limit: int | None
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> int: ...
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]: ...
+
+    async def label_scores(
+        self, messages: list[dict[str, Any]], labels: Sequence[str], specialist: str
+    ) -> dict[str, float]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EmbeddedEngine:
+    """The in-process runtime behind the shared micro-batching scheduler."""
+
+    def __init__(self, runtime: MixtureRuntime, scheduler: MicroBatchScheduler):
+        self.runtime = runtime
+        self.scheduler = scheduler
+        self.context_limit: int | None = runtime.context_limit
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
+        return self.runtime.count_tokens(messages)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
+        if request.specialist not in self.runtime.specialists:
+            raise RatchetError(f"specialist {request.specialist!r} is not served by this generation")
+        ids = self.runtime.encode(request.messages)
+        ticket = self.scheduler.submit(
+            self.runtime,
+            GenerationRequest(
+                adapter=request.specialist,
+                prompt_ids=tuple(ids),
+                max_new_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                stop=request.stop,
+                seed=request.seed,
+            ),
+        )
+        async for delta in ticket.stream():
+            yield delta
+        r = await ticket.result
+        yield EngineResult(r.text, r.prompt_tokens, r.completion_tokens, r.finish_reason)
+
+    async def label_scores(
+        self, messages: list[dict[str, Any]], labels: Sequence[str], specialist: str
+    ) -> dict[str, float]:
+        return await asyncio.to_thread(self.runtime.label_scores, messages, list(labels), specialist)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class ExternalEngine:
+    """An OpenAI-compatible server that serves each adapter as a model (``model_names[specialist]``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model_names: dict[str, str],
+        api_key: str | None = None,
+        context_limit: int | None = None,
+        tokenizer: Any = None,
+        chars_per_token: float = 3.5,
+        timeout: float = 120.0,
+    ):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.model_names = model_names
+        self.context_limit = context_limit
+        self.tokenizer = tokenizer
+        self.chars_per_token = chars_per_token
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
+        if self.tokenizer is not None:
+            from pipeline.packing import render_prompt
+
+            return len(
+                self.tokenizer(render_prompt(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
+            )
+        return int(sum(len(str(m.get("content") or "")) + 8 for m in messages) / self.chars_per_token) + 1
+
+    def _body(self, request: EngineRequest) -> dict[str, Any]:
+        model = self.model_names.get(request.specialist)
+        if model is None:
+            raise RatchetError(f"specialist {request.specialist!r} has no model name on the external engine")
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": request.messages,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.stop:
+            body["stop"] = list(request.stop)
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.tools:
+            body["tools"] = request.tools
+        return body
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
+        text, finish, usage, calls = "", "stop", {}, {}
+        async with self.client.stream("POST", "/chat/completions", json=self._body(request)) as resp:
+            if resp.status_code >= 400:
+                detail = (await resp.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(f"external engine answered {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if delta.get("content"):
+                        text += delta["content"]
+                        yield delta["content"]
+                    for tc in delta.get("tool_calls") or []:
+                        slot = calls.setdefault(
+                            tc.get("index", 0),
+                            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+                        )
+                        slot["id"] = tc.get("id") or slot["id"]
+                        fn = tc.get("function") or {}
+                        slot["function"]["name"] += fn.get("name") or ""
+                        slot["function"]["arguments"] += fn.get("arguments") or ""
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+        yield EngineResult(
+            text,
+            int(usage.get("prompt_tokens", self.count_tokens(request.messages))),
+            int(usage.get("completion_tokens", 0)),
+            "stop" if finish == "tool_calls" else finish,
+            [calls[k] for k in sorted(calls)] or None,
+        )
+
+    async def label_scores(
+        self, messages: list[dict[str, Any]], labels: Sequence[str], specialist: str
+    ) -> dict[str, float]:
+        raise RatchetError("entry-adapter label decoding needs the embedded engine; use a trained classifier")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+async def complete(engine: Engine, request: EngineRequest) -> EngineResult:
+    """Run a request to the end and return its result."""
+    result = None
+    async for item in engine.stream(request):
+        if isinstance(item, EngineResult):
+            result = item
+    assert result is not None
+    return result

@@ -1,0 +1,181 @@
+"""What a server serves: a generation from the registry, loaded behind an engine (``load_served``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.errors import NotFoundError, RatchetError
+from pipeline.harness import HarnessSpec
+from pipeline.serving.engines import EmbeddedEngine, Engine, ExternalEngine
+from pipeline.serving.router import TokenClassifier
+from pipeline.serving.runtime import AdapterSource, load_runtime
+from pipeline.serving.scheduler import MicroBatchScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeConfig:
+    """How ``ratchet serve`` runs (CLI options map one to one)."""
+
+    registry_url: str | None = None
+    lineage: str = "main"
+    generation: str = "champion"  # "champion" (follows promotions) or a generation number
+    engine: Literal["embedded", "external"] = "embedded"
+    engine_url: str | None = None
+    engine_api_key: str | None = None
+    engine_model_template: str = "{specialist}"  # external engine's model name for an adapter
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+    poll_seconds: float = 5.0  # 0: only POST /admin/reload switches generations
+    api_key: str | None = None
+    device: str = "auto"
+    model_name: str = "ratchet"
+    flush_seconds: float = 0.5
+    summary_tokens: int = 24
+    threads: int = 0  # torch intra-op threads for the embedded engine; 0: torch's default
+
+    def follows_champion(self) -> bool:
+        return self.generation == "champion"
+
+
+@dataclass
+class Served:
+    """A loaded generation: ids for experience records, its harness, and the engine that decodes it."""
+
+    generation_id: int
+    number: int
+    harness_version_id: int
+    harness: HarnessSpec
+    engine: Engine
+    specialists: list[str]
+    classifier: TokenClassifier | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything ``load_served`` needs, read from the registry in one session."""
+
+    generation_id: int
+    number: int
+    harness_version_id: int
+    harness_spec: dict[str, Any]
+    base_model_id: int
+    base_path: str
+    specialists: list[str]
+    adapters: list[AdapterSource]
+    state: dict[str, Any]
+
+
+def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
+    """Read the generation to serve (``champion`` or a number) from the registry (``db``: an engine)."""
+    from pipeline.registry import get_champion, get_generation, session_scope
+
+    with session_scope(db) as session:
+        if which == "champion":
+            gen = get_champion(session=session, lineage=lineage)
+            if gen is None:
+                raise NotFoundError(
+                    f"lineage {lineage!r} has no champion to serve: promote a generation or pass --generation N"
+                )
+        else:
+            try:
+                number = int(which)
+            except ValueError:
+                raise RatchetError(f"--generation must be `champion` or a number, not {which!r}") from None
+            gen = get_generation(session=session, number=number, lineage=lineage)
+        adapters = [
+            AdapterSource(
+                specialist=slot.specialist,
+                path=Path(slot.adapter.artifact_uri),
+                sha256=slot.adapter.sha256,
+                rank=slot.adapter.rank,
+                target_modules=tuple(slot.adapter.target_modules),
+                base_model_id=slot.adapter.base_model_id,
+            )
+            for slot in gen.adapters
+            if slot.adapter is not None
+        ]
+        return GenerationPlan(
+            generation_id=gen.id,
+            number=gen.number,
+            harness_version_id=gen.harness_version_id,
+            harness_spec=dict(gen.harness_version.spec),
+            base_model_id=gen.base_model_id,
+            base_path=gen.base_model.path,
+            specialists=[slot.specialist for slot in gen.adapters],
+            adapters=adapters,
+            state=dict(gen.state or {}),
+        )
+
+
+def champion_id(db: Any, lineage: str) -> int | None:
+    from pipeline.registry import get_champion, session_scope
+
+    with session_scope(db) as session:
+        gen = get_champion(session=session, lineage=lineage)
+        return gen.id if gen is not None else None
+
+
+def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatchScheduler) -> Served:
+    """Load ``plan`` behind the configured engine (blocking: call it in a thread from async code)."""
+    try:
+        harness = HarnessSpec.model_validate(plan.harness_spec)
+    except ValueError as exc:
+        raise RatchetError(f"generation {plan.number}: its harness does not validate: {exc}") from None
+    missing = [s for s in harness.specialists if s not in plan.specialists]
+    specialists = plan.specialists + missing  # harness-only specialists are served by the base model
+    classifier = None
+    if isinstance(plan.state.get("router_classifier"), dict):
+        classifier = TokenClassifier.from_dict(plan.state["router_classifier"])
+    if config.engine == "embedded":
+        if config.threads > 0:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        runtime = load_runtime(
+            plan.base_path,
+            plan.adapters,
+            specialists=specialists,
+            base_model_id=plan.base_model_id,
+            device=config.device,
+        )
+        engine: Engine = EmbeddedEngine(runtime, scheduler)
+    else:
+        if not config.engine_url:
+            raise RatchetError(
+                "--engine external needs --engine-url (the OpenAI-compatible multi-LoRA server)"
+            )
+        tokenizer, limit = None, None
+        if (
+            Path(plan.base_path, "tokenizer.json").is_file()
+            or Path(plan.base_path, "tokenizer_config.json").is_file()
+        ):
+            from transformers import AutoConfig, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(plan.base_path)
+            limit = getattr(AutoConfig.from_pretrained(plan.base_path), "max_position_embeddings", None)
+        engine = ExternalEngine(
+            config.engine_url,
+            model_names={
+                s: config.engine_model_template.format(specialist=s, generation=plan.number)
+                for s in specialists
+            },
+            api_key=config.engine_api_key,
+            context_limit=limit,
+            tokenizer=tokenizer,
+        )
+    log.info("serving generation %d (%s) with %s engine", plan.number, ", ".join(specialists), config.engine)
+    return Served(
+        generation_id=plan.generation_id,
+        number=plan.number,
+        harness_version_id=plan.harness_version_id,
+        harness=harness,
+        engine=engine,
+        specialists=specialists,
+        classifier=classifier,
+    )

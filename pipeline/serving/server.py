@@ -1,0 +1,279 @@
+"""The OpenAI-compatible server: route -> answer -> summary for every turn, experience for every turn.
+
+``create_app(config)`` builds the FastAPI app behind ``ratchet serve``:
+
+- ``POST /v1/chat/completions`` (plain or ``stream: true`` SSE ending with ``[DONE]``; tools and tool
+  calls; ``usage``). The response names the specialist that served the turn in the header
+  ``X-Ratchet-Specialist`` and in ``metadata.specialist`` (never an adapter path).
+- ``GET /v1/models``; ``POST /v1/feedback`` (``completion_id``, ``rating``, ``correction``);
+  ``POST /admin/reload`` (switch to a newly promoted champion now); ``GET /health``.
+- With ``config.poll_seconds`` the registry is polled and a new champion is loaded in the background and
+  swapped in; requests in flight finish on the generation they started with.
+- Client mistakes get OpenAI error objects with 4xx; ``RATCHET_API_KEY`` (``config.api_key``) requires a
+  bearer key on every endpoint but ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.errors import NotFoundError, RatchetError
+from pipeline.serving.engines import EngineRequest, EngineResult
+from pipeline.serving.protocol import (
+    ApiError,
+    ChatRequest,
+    chunk,
+    completion_body,
+    new_completion_id,
+    parse_body,
+    sse,
+    usage_of,
+)
+from pipeline.serving.router import RouteDecision
+from pipeline.serving.served import ServeConfig, Served
+from pipeline.serving.turns import ServerState
+
+log = logging.getLogger(__name__)
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    completion_id: StrictStr = Field(min_length=1)
+    rating: float | None = None
+    correction: StrictStr | None = None
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "internal server error",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            },
+            status_code=500,
+        )
+
+
+def check_key(request: Request, key: str | None) -> None:
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(
+            401,
+            "missing or wrong API key: send `Authorization: Bearer <RATCHET_API_KEY>`",
+            code="invalid_api_key",
+        )
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    """The routed Mixture-of-LoRA server for ``config`` (loads the generation when the app starts)."""
+    state = ServerState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="ratchet", lifespan=lifespan)
+    app.state.ratchet = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "generation": state.current.number if state.current else None}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request, config.api_key)
+        assert state.current is not None
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ratchet",
+                    "generation": state.current.number,
+                    "specialists": state.current.specialists,
+                }
+            ],
+        }
+
+    @app.post("/admin/reload")
+    async def reload(request: Request) -> dict[str, Any]:
+        check_key(request, config.api_key)
+        return await state.reload()
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict[str, Any]:
+        check_key(request, config.api_key)
+        body = parse_body(await request.body(), FeedbackRequest)
+        if body.rating is None and body.correction is None:
+            raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
+        task = state.pending.get(body.completion_id)
+        if task is not None:
+            await asyncio.wait([task], timeout=30)
+        assert state.recorder is not None
+        await asyncio.to_thread(state.recorder.flush)
+        try:
+            await asyncio.to_thread(_attach, state.db, body)
+        except NotFoundError as exc:
+            raise ApiError(404, str(exc), param="completion_id", code="not_found") from None
+        except RatchetError as exc:
+            raise ApiError(400, str(exc)) from None
+        return {"object": "feedback", "completion_id": body.completion_id, "ok": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        check_key(request, config.api_key)
+        req = parse_body(await request.body(), ChatRequest)
+        if req.model != config.model_name:
+            raise ApiError(
+                404,
+                f"model {req.model!r} does not exist: this server serves {config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        started = time.perf_counter()
+        served, decision, ereq, messages = await state.prepare(req)
+        cid, created = new_completion_id(), int(time.time())
+        meta = {
+            "specialist": decision.specialist,
+            "generation": served.number,
+            "route_reason": decision.reason,
+        }
+        headers = {"X-Ratchet-Specialist": decision.specialist, "X-Ratchet-Generation": str(served.number)}
+        if req.stream:
+            gen = _stream(state, served, req, decision, ereq, messages, cid, created, meta, started)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        task = asyncio.get_running_loop().create_task(
+            state.complete_turn(served, req, decision, ereq, messages, cid, started)
+        )
+        state.track(cid + ":turn", task)
+        message, finish, result = await asyncio.shield(task)
+        body = completion_body(
+            cid=cid,
+            model=req.model,
+            message=message,
+            finish_reason=finish,
+            usage=usage_of(result.prompt_tokens, result.completion_tokens),
+            metadata=meta,
+            created=created,
+        )
+        return JSONResponse(body, headers=headers)
+
+    return app
+
+
+def _attach(db: Any, body: FeedbackRequest) -> None:
+    from pipeline.registry import attach_feedback, session_scope
+
+    with session_scope(db) as session:
+        attach_feedback(
+            session=session, completion_id=body.completion_id, rating=body.rating, correction=body.correction
+        )
+
+
+async def _stream(
+    state: ServerState,
+    served: Served,
+    req: ChatRequest,
+    decision: RouteDecision,
+    ereq: EngineRequest,
+    messages: list[dict],
+    cid: str,
+    created: int,
+    meta: dict,
+    started: float,
+) -> AsyncIterator[str]:
+    """SSE chunks. Decoding and recording run in their own task, so a client that leaves mid-stream
+    still leaves its turn in the experience."""
+    model = req.model
+    buffer = bool(req.tool_names())  # a tool call is only known once the whole text is there
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def produce() -> None:
+        try:
+            result = None
+            async for item in served.engine.stream(ereq):
+                if isinstance(item, EngineResult):
+                    result = item
+                else:
+                    queue.put_nowait(item)
+            assert result is not None
+            message, finish = state.answer_message(served, req, result, cid)
+            state.finish_turn(served, req, decision, ereq, messages, message, result, cid, started)
+            queue.put_nowait((message, finish, result))
+        except Exception as exc:
+            log.exception("stream %s failed", cid)
+            queue.put_nowait(exc)
+
+    state.track(cid + ":stream", asyncio.get_running_loop().create_task(produce()))
+
+    yield chunk(cid, model, created, {"role": "assistant", "content": ""}, metadata=meta)
+    while True:
+        item = await queue.get()
+        if isinstance(item, Exception):
+            yield sse({"error": {"message": "internal server error", "type": "server_error"}})
+            return
+        if isinstance(item, tuple):
+            message, finish, result = item
+            break
+        if not buffer:
+            yield chunk(cid, model, created, {"content": item})
+    if buffer:
+        if message.get("tool_calls"):
+            calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
+            yield chunk(cid, model, created, {"tool_calls": calls})
+        elif message["content"]:
+            yield chunk(cid, model, created, {"content": message["content"]})
+    yield chunk(cid, model, created, {}, finish)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        usage = usage_of(result.prompt_tokens, result.completion_tokens)
+        yield sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+    yield "data: [DONE]\n\n"

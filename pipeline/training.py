@@ -1,0 +1,328 @@
+"""The LoRA job: setup, train, save, clean up -- in that order, in this one file.
+
+``train_lora`` fine-tunes one LoRA adapter on a frozen base model from a ``datasets`` dataset saved with
+``save_to_disk`` (rows with OpenAI-style ``messages``; loss on assistant tokens only). A successor
+continues its parent's adapter weights. Batches are packed (``pipeline.packing``): several examples
+share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
+other, so no compute goes to padding. Every ``checkpoint_every`` steps the adapter, optimizer, scheduler,
+RNG states and step are written atomically under ``output_dir/checkpoint/``; calling ``train_lora`` again
+with the same ``output_dir`` resumes from the last checkpoint. On success the adapter is saved with peft's
+``save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``) beside a ``lineage.json``,
+and the checkpoints are deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import RatchetError
+from pipeline.spec import content_hash, file_sha256
+
+log = logging.getLogger(__name__)
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """LoRA hyperparameters and the schedule of one training job."""
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ALL_LINEAR
+    lr: float = 5e-4
+    epochs: float = 2.0
+    max_steps: int | None = None  # when set, overrides epochs
+    batch_size: int = 64  # examples per optimizer step
+    seed: int = 0
+    checkpoint_every: int = 50
+    max_seq_len: int = 128  # examples are truncated to this; also the packed row length
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished (or interrupted) job produced."""
+
+    adapter_dir: Path
+    adapter_sha256: str
+    steps: int
+    final_loss: float
+    tokens_per_second: float
+    resumed_from_step: int
+    examples: int
+    seconds: float
+    run_id: str | None = None
+    completed: bool = True
+
+
+def git_describe(cwd: Path | None = None) -> str:
+    """``git describe --always --dirty`` of the code, or the package version outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=cwd or Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"ratchet {version('ratchet')}"
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def dataset_sha256(rows: list[dict[str, Any]]) -> str:
+    """Content hash of a training set's conversations (independent of arrow file layout)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row["messages"], sort_keys=True, separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
+    """Save the ``messages`` of ``traces`` as a ``datasets`` dataset (``save_to_disk``); return its hash."""
+    from datasets import Dataset
+
+    rows = [{"messages": t["messages"]} for t in traces]
+    if not rows:
+        raise RatchetError(f"{dataset_dir}: no traces to write (a training set needs at least one)")
+    Dataset.from_list(rows).save_to_disk(str(dataset_dir))
+    return dataset_sha256(rows)
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Example indices of optimizer step ``step``: epochs are seeded permutations cut into batches
+    (the last batch of an epoch may be short), so any step's batch is known without replaying."""
+    import torch
+
+    per_epoch = math.ceil(n / batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    return perm[k * batch_size : (k + 1) * batch_size]
+
+
+def train_lora(
+    *,
+    base_model_dir: Path,
+    dataset_dir: Path,
+    output_dir: Path,
+    config: TrainConfig,
+    parent_adapter_dir: Path | None = None,
+    lineage: dict[str, Any] | None = None,
+    tracker: Any = None,
+    progress: Callable[[int, int, float], None] | None = None,
+    stop_after_steps: int | None = None,
+) -> TrainResult:
+    """Train (or resume) a LoRA adapter; return where it was saved and how training went.
+
+    ``stop_after_steps`` interrupts the job after that many steps *in this call* (after checkpointing),
+    returning ``completed=False``: the hook tests and schedulers use to simulate a killed job.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from datasets import load_from_disk
+    from peft import (
+        LoraConfig,
+        PeftModel,
+        get_peft_model,
+        get_peft_model_state_dict,
+        set_peft_model_state_dict,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.generation import attn_implementation_for
+    from pipeline.packing import encode_chat, packed_tensors
+
+    # ---- setup -------------------------------------------------------------------------------------
+    base_model_dir, dataset_dir, output_dir = Path(base_model_dir), Path(dataset_dir), Path(output_dir)
+    if not (dataset_dir / "dataset_info.json").is_file() and not (dataset_dir / "state.json").is_file():
+        raise RatchetError(f"{dataset_dir}: not a dataset saved with save_to_disk (no state.json)")
+    rows = load_from_disk(str(dataset_dir))
+    if "messages" not in rows.column_names:
+        raise RatchetError(f"{dataset_dir}: dataset has no 'messages' column (columns: {rows.column_names})")
+    rows = rows.to_list()
+    data_hash = dataset_sha256(rows)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    examples = [encode_chat(tokenizer, r["messages"], config.max_seq_len) for r in rows]
+    examples = [e for e in examples if any(label != -100 for label in e[1])]
+    if not examples:
+        raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
+    attn = attn_implementation_for(base_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_model_dir, **({"attn_implementation": attn} if attn else {})
+    )
+    if parent_adapter_dir is not None:
+        model = PeftModel.from_pretrained(base, parent_adapter_dir, is_trainable=True)
+    else:
+        lora = LoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=config.dropout,
+            target_modules=list(config.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(base, lora)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    warmup = max(1, config.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
+    per_epoch = math.ceil(len(examples) / config.batch_size)
+    total = config.max_steps or max(1, math.ceil(config.epochs * per_epoch))
+    job_key = content_hash({"config": asdict(config), "data": data_hash, "parent": str(parent_adapter_dir)})
+
+    ckpt_root = output_dir / "checkpoint"
+    start = _resume(ckpt_root, job_key, model, optim, sched, set_peft_model_state_dict)
+    if start:
+        log.info("resuming %s from checkpoint step %d of %d", output_dir, start, total)
+
+    # ---- train -------------------------------------------------------------------------------------
+    with contextlib.ExitStack() as stack:
+        run_id = None
+        if tracker:
+            tags = {"kind": "lora", "resumed_from_step": str(start)}
+            run_id = stack.enter_context(tracker.start_run(output_dir.name, tags))
+            tracker.log_params(
+                {
+                    **asdict(config),
+                    "dataset_sha256": data_hash,
+                    "examples": len(examples),
+                    "total_steps": total,
+                }
+            )
+        tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
+        while step < total:
+            batch = [examples[i] for i in batch_indices(len(examples), config.batch_size, step, config.seed)]
+            tensors = packed_tensors(batch, config.max_seq_len, tokenizer.pad_token_id)
+            loss = model(**tensors, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            step += 1
+            tokens += sum(len(e[0]) for e in batch)
+            loss_value = float(loss.detach())
+            if tracker:
+                tracker.log_metric("train_loss", loss_value, step=step)
+            if progress is not None:
+                progress(step, total, loss_value)
+            interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
+            if step % config.checkpoint_every == 0 or interrupted:
+                _checkpoint(ckpt_root, job_key, step, model, optim, sched, get_peft_model_state_dict)
+            if interrupted:
+                seconds = time.perf_counter() - started
+                return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
+                                   len(examples), seconds, run_id, completed=False)  # fmt: skip
+        seconds = time.perf_counter() - started
+
+        # ---- save ----------------------------------------------------------------------------------
+        adapter_dir = output_dir / "adapter"
+        tmp = output_dir / f"adapter.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
+        record = {
+            **(lineage or {}),
+            "dataset_sha256": data_hash,
+            "base_model_sha256": file_sha256(base_model_dir / "model.safetensors"),
+            "code_version": (lineage or {}).get("code_version") or git_describe(),
+            "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
+            "adapter_sha256": adapter_sha,
+            "train_config": asdict(config),
+            "steps": total,
+            "final_loss": loss_value,
+            "examples": len(examples),
+        }
+        (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        os.replace(tmp, adapter_dir)
+        if tracker:
+            tracker.log_metric("tokens_per_second", tokens / max(seconds, 1e-9), step=total)
+            tracker.log_params({"adapter_sha256": adapter_sha})
+            tracker.log_artifact(adapter_dir, artifact_path="adapter")
+
+    # ---- clean up ----------------------------------------------------------------------------------
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    del model, base, optim
+    return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
+                       len(examples), seconds, run_id)  # fmt: skip
+
+
+def _checkpoint(
+    root: Path, job_key: str, step: int, model: Any, optim: Any, sched: Any, get_state: Any
+) -> None:
+    """Write ``root/step-NNNNNNN`` atomically (temp dir, then rename), then drop older checkpoints."""
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(
+        {k: v.detach().contiguous() for k, v in get_state(model).items()}, str(tmp / "adapter.safetensors")
+    )
+    state = {
+        "optimizer": optim.state_dict(),
+        "scheduler": sched.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+    }
+    torch.save(state, tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "job_key": job_key}) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in root.glob("step-*"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _resume(root: Path, job_key: str, model: Any, optim: Any, sched: Any, set_state: Any) -> int:
+    """Load the newest complete checkpoint under ``root``; return its step (0 when there is none)."""
+    import torch
+    from safetensors.torch import load_file
+
+    done = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file()) if root.is_dir() else []
+    if not done:
+        return 0
+    ckpt = done[-1]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta["job_key"] != job_key:
+        raise RatchetError(
+            f"{ckpt}: checkpoint belongs to a different job (config, data or parent changed); "
+            "delete it or use a new output_dir"
+        )
+    set_state(model, load_file(str(ckpt / "adapter.safetensors")))
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    optim.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    return int(meta["step"])

@@ -1,0 +1,236 @@
+"""Generation advancement end to end on a small tiny model: steps, resume, races, gates, commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import func, select
+
+from pipeline.advance import AdvanceConfig, advance_once, begin_candidate, done_steps, release_candidate
+from pipeline.errors import ConflictError
+from pipeline.registry import (
+    Adapter,
+    Experience,
+    Generation,
+    TrainingDataset,
+    get_champion,
+    get_engine,
+    list_generations,
+    session_scope,
+)
+from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=96, max_position_embeddings=64,
+                        bootstrap_steps=120, bootstrap_batch_size=32, corpus_size=2000, seed=3)  # fmt: skip
+FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, epochs=1.0, batch_size=16,
+                     validation_items=6, seed=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_base(tmp_path_factory):
+    return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
+
+
+def write_specs(tmp: Path, base: Path, *, heldout_size: int = 24) -> dict[str, Path]:
+    """A model spec on the small base and the demo contract with smaller held-out suites."""
+    model = {
+        "name": "test-tiny",
+        "base": {"path": str(base)},
+        "specialists": {s: {"lora": {"rank": 4, "alpha": 8}} for s in ("chat", "agent", "coding", "genui")},
+    }
+    contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
+    contract["version"] = "test"
+    for suite in contract["heldout"]:
+        suite["size"] = heldout_size
+    contract["promotion"]["bootstrap_samples"] = 200
+    paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
+    paths["model"].write_text(yaml.safe_dump(model))
+    paths["contract"].write_text(yaml.safe_dump(contract))
+    return paths
+
+
+@pytest.fixture
+def lineage(small_base, tmp_path):
+    from pipeline.lineage import init_lineage
+
+    specs = write_specs(tmp_path, small_base)
+    init_lineage(
+        contract_path=specs["contract"],
+        harness_path=ROOT / "harnesses" / "demo.yaml",
+        model_path=specs["model"],
+    )
+    return specs
+
+
+def _count(model, *where):
+    with session_scope(get_engine()) as s:
+        return s.scalar(select(func.count()).select_from(model).where(*where))
+
+
+def test_one_generation_end_to_end(lineage):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.cli.advance import lineage_rows, make_tracker
+    from pipeline.spec import file_sha256
+
+    tracker = make_tracker()
+    outcome = advance_once(config=FAST, tracker=tracker)
+    assert outcome["generation"] == 1 and outcome["status"] in ("promoted", "rejected")
+    assert outcome["decision"].startswith(("promote:", "reject:"))
+    steps = done_steps(_generation_id(1))
+    assert list(steps) == ["collect", "score", "curate", "train", "codesign", "evaluate", "decide"]
+    assert steps["collect"]["attempts"] == 4 * 24 * 2  # every attempt of every specialist
+    assert _count(Experience, Experience.source == "simulation") == steps["collect"]["stored"] > 0
+    with session_scope(get_engine()) as s:
+        gen = s.scalar(select(Generation).where(Generation.number == 1))
+        assert gen.lease_owner is None and gen.evaluation["comparison"]["specialists"]
+        datasets = s.scalars(select(TrainingDataset).where(TrainingDataset.generation_id == gen.id)).all()
+        adapters = s.scalars(select(Adapter)).all()
+        trained = {a.specialist: a for a in adapters}
+    assert datasets and all(len(d.sha256) == 64 and d.num_rows >= FAST.min_examples for d in datasets)
+    assert set(trained) == {d.specialist for d in datasets}
+    for adapter in adapters:  # self-describing artifacts, sha256 in the registry, plain peft loading
+        path = Path(adapter.artifact_uri)
+        assert file_sha256(path / "adapter_model.safetensors") == adapter.sha256
+        record = json.loads((path / "lineage.json").read_text())
+        assert record["parent_generation"] == 0 and record["contract_sha256"] and record["dataset_sha256"]
+        assert adapter.mlflow_run_id and adapter.mlflow_model_version
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lineage_base(lineage)), path)
+    client = tracker.client
+    for adapter in adapters:
+        history = client.get_metric_history(adapter.mlflow_run_id, "train_loss")
+        assert len(history) == adapter.metrics["steps"]
+        if outcome["status"] == "promoted":
+            name = f"ratchet-main-{adapter.specialist}"
+            assert client.get_model_version_by_alias(name, "champion").version == adapter.mlflow_model_version
+    rows = lineage_rows("main")
+    assert [r["generation"] for r in rows] == [0, 1]
+    assert set(rows[0]["scores"]) == {"chat", "agent", "coding", "genui"} and rows[1]["overall"] is not None
+    assert rows[1]["status"] == outcome["status"]
+
+
+def lineage_base(specs):
+    return yaml.safe_load(specs["model"].read_text())["base"]["path"]
+
+
+def _generation_id(number):
+    with session_scope(get_engine()) as s:
+        return s.scalar(select(Generation.id).where(Generation.number == number))
+
+
+def test_crash_then_resume_continues_the_same_candidate(lineage, monkeypatch):
+    import pipeline.successor as successor
+
+    real = successor.codesign_step
+    calls = {"n": 0}
+
+    def crashing(**kwargs):
+        calls["n"] += 1
+        raise RuntimeError("simulated crash during co-design")
+
+    monkeypatch.setattr(successor, "codesign_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        advance_once(config=FAST)
+    first = done_steps(_generation_id(1))
+    assert list(first) == ["collect", "score", "curate", "train"]
+    experience_before = _count(Experience)
+    monkeypatch.setattr(successor, "codesign_step", real)
+    outcome = advance_once(config=FAST)
+    assert outcome["generation"] == 1  # the same candidate, not a new number
+    steps = done_steps(_generation_id(1))
+    assert steps["collect"] == first["collect"] and steps["train"] == first["train"]
+    assert _count(Experience) == experience_before  # collection was not redone
+    with session_scope(get_engine()) as s:
+        assert [g.number for g in list_generations(session=s)] == [0, 1]
+
+
+def test_racing_advances_build_one_candidate(lineage):
+    first = begin_candidate(config=FAST, owner="host-a:1")
+    with pytest.raises(ConflictError, match="is being advanced by host-a:1"):
+        begin_candidate(config=FAST, owner="host-b:2")
+    release_candidate(generation_id=first, owner="host-a:1")
+    assert begin_candidate(config=FAST, owner="host-b:2") == first  # free again: the same candidate
+    with session_scope(get_engine()) as s:
+        assert s.scalar(select(func.count()).select_from(Generation)) == 2
+
+
+def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
+    """A candidate whose adapters were wrecked on purpose is rejected by the gates, with the reason."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.advance import load_generation, mark_step
+    from pipeline.promotion import decide_step, evaluate_step
+    from pipeline.registry import create_adapter, set_generation_adapter
+    from pipeline.spec import file_sha256
+
+    advance_once(config=FAST)  # generation 1, with trained adapters to wreck
+    with session_scope(get_engine()) as s:
+        source = {a.specialist: a for a in s.scalars(select(Adapter))}
+    gen_id = begin_candidate(config=FAST, owner="test")
+    with session_scope(get_engine()) as s:
+        gen = load_generation(s, gen_id)
+        for specialist, adapter in source.items():
+            bad_dir = tmp_path / f"wrecked-{specialist}"
+            bad_dir.mkdir()
+            weights = load_file(str(Path(adapter.artifact_uri) / "adapter_model.safetensors"))
+            torch.manual_seed(0)
+            save_file(
+                {k: v + torch.randn_like(v) * 2.0 for k, v in weights.items()},
+                str(bad_dir / "adapter_model.safetensors"),
+            )
+            (bad_dir / "adapter_config.json").write_text(
+                (Path(adapter.artifact_uri) / "adapter_config.json").read_text()
+            )
+            row = create_adapter(
+                session=s,
+                specialist=specialist,
+                base_model_id=gen.base_model_id,
+                rank=4,
+                alpha=8,
+                target_modules=adapter.target_modules,
+                artifact_uri=str(bad_dir),
+                sha256=file_sha256(bad_dir / "adapter_model.safetensors"),
+            )
+            set_generation_adapter(session=s, generation=gen, specialist=specialist, adapter_id=row.id)
+        for step in ("collect", "score", "curate", "train", "codesign"):
+            mark_step(s, gen, step, {"skipped": "test builds the candidate by hand"})
+    evaluation = evaluate_step(generation_id=gen_id, config=FAST)
+    assert not evaluation["comparison"]["promote"]
+    outcome = decide_step(generation_id=gen_id, config=FAST)
+    assert outcome["status"] == "rejected"
+    assert "regressed" in outcome["decision"] or "below the minimum improvement" in outcome["decision"]
+    with session_scope(get_engine()) as s:
+        champion = get_champion(session=s)
+        assert champion.number != outcome["generation"]
+
+
+def test_promote_and_rollback_commands(lineage, capsys):
+    from pipeline.cli import main
+
+    advance_once(config=FAST)
+    with pytest.raises(SystemExit) as exc:
+        main(["promote", "7"])
+    assert exc.value.code == 1 and "no generation 7" in capsys.readouterr().err
+    with session_scope(get_engine()) as s:
+        champion = get_champion(session=s).number
+    if champion == 0:
+        main(["promote", "1", "--reason", "test"])
+        assert "generation 1 is now the champion" in capsys.readouterr().out
+    else:
+        with pytest.raises(SystemExit):
+            main(["promote", "1"])
+        assert "already the champion" in capsys.readouterr().err
+    main(["rollback"])
+    assert "generation 0 is the champion" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["rollback"])
+    assert "nothing to roll back to" in capsys.readouterr().err
+    main(["lineage", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {"generation", "parent", "status", "scores", "overall", "decision"} <= set(rows[0])
