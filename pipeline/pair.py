@@ -94,8 +94,8 @@ def answer_items(
     """
     from pipeline.environment import completion_trace
     from pipeline.generation import SamplingConfig, generate, load_model
-    from pipeline.prompting import decoding_for
     from pipeline.packing import render_prompt
+    from pipeline.prompting import decoding_for
 
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
     done = 0
