@@ -42,9 +42,12 @@ def evaluate_step(
         "parent_overall": round(comparison.champion_overall, 4),
         "comparison": comparison.to_dict(),
     }
+    evaluation["router"], classifier = measure_routing(candidate.harness, generation_id=generation_id)
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         gen.evaluation = evaluation
+        if classifier is not None:
+            gen.state = {**(gen.state or {}), "router_classifier": classifier}
         parent = load_generation(session, gen.parent_id)
         if not (parent.evaluation or {}).get("scores"):  # generation 0 gets its held-out scores too
             parent.evaluation = {
@@ -91,3 +94,39 @@ def decide_step(
             "overall": (gen.evaluation or {}).get("overall"),
             "parent_overall": (gen.evaluation or {}).get("parent_overall"),
         }
+
+
+def measure_routing(
+    harness: Any, *, generation_id: int, items_per_family: int = 50
+) -> tuple[dict[str, Any], Any]:
+    """Router accuracy on the labelled held-out turns, recorded per generation.
+
+    In ``learned``/``hybrid`` mode a small classifier is first fitted on the lineage's experience that
+    scored at least the selection threshold, labelled with the specialist that served it (held-out
+    items never among them); it is returned (as a dict) to be stored with the generation for serving.
+    """
+    from pipeline.curation import load_candidates
+    from pipeline.registry import get_engine, session_scope
+    from pipeline.serving.routereval import (
+        fit_router_classifier,
+        heldout_routing_items,
+        measure_router,
+        routing_items,
+    )
+
+    items = heldout_routing_items(items_per_family)
+    if harness.routing.mode == "signals":
+        return measure_router(harness, items), None
+    with session_scope(get_engine()) as session:
+        gen = load_generation(session, generation_id)
+        threshold = contract_of(gen).selection.min_score
+        candidates = load_candidates(session=session, contract_version_id=gen.contract_version_id)
+    traces = [
+        {"messages": c.messages, "metadata": {"specialist": c.specialist}}
+        for c in candidates
+        if (c.score or 0) >= threshold and c.metadata.get("split") != "heldout" and c.source != "evaluation"
+    ]
+    if not traces:
+        return measure_router(harness, items), None
+    classifier = fit_router_classifier(routing_items(traces), labels=sorted(harness.specialists))
+    return measure_router(harness, items, classifier=classifier), classifier.to_dict()

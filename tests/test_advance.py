@@ -140,6 +140,7 @@ def test_one_generation_end_to_end(lineage):
     assert [r["generation"] for r in rows] == [0, 1]
     assert set(rows[0]["scores"]) == {"chat", "agent", "coding", "genui"} and rows[1]["overall"] is not None
     assert rows[1]["status"] == outcome["status"]
+    assert rows[1]["router_accuracy"] == 1.0  # the demo harness's signals route every held-out turn right
 
 
 def lineage_base(specs):

@@ -34,6 +34,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     },
                     "scores": ev.get("scores", {}),
                     "overall": ev.get("overall"),
+                "router_accuracy": (ev.get("router") or {}).get("accuracy"),
                     "decision": g.decision,
                     "step": g.step,
                     "created_at": g.created_at.isoformat(),
@@ -51,7 +52,7 @@ def print_lineage(lineage: str) -> None:
         raise RatchetError(f"lineage {lineage!r} has no generations: run `ratchet init`")
     specialists = sorted({s for r in rows for s in r["adapters"]})
     table = Table(title=f"lineage {lineage}", show_lines=False)
-    for col in ("gen", "parent", "status", "harness", *(f"{s}" for s in specialists), "overall", "decision"):
+    for col in ("gen", "parent", "status", "harness", *specialists, "overall", "router", "decision"):
         table.add_column(col, overflow="fold", max_width=56 if col == "decision" else None,
                          no_wrap=col != "decision")
     for r in rows:
@@ -61,6 +62,7 @@ def print_lineage(lineage: str) -> None:
             adapter = r["adapters"].get(s) or "-"
             cells.append(f"{adapter} {score:.3f}" if score is not None else adapter)
         overall = f"{r['overall']:.3f}" if r["overall"] is not None else "-"
+        router = f"{r['router_accuracy']:.2f}" if r["router_accuracy"] is not None else "-"
         style = "bold green" if r["status"] == "promoted" else None
         table.add_row(
             str(r["generation"]),
@@ -69,6 +71,7 @@ def print_lineage(lineage: str) -> None:
             r["harness"],
             *cells,
             overall,
+            router,
             r["decision"] or "",
             style=style,
         )
