@@ -1,7 +1,7 @@
 """Chat examples as token ids with assistant-only labels, and packed batches without cross-attention.
 
 ``encode_chat`` renders messages with the tokenizer's own chat template and marks only the assistant
-turns as labels. ``pack_examples`` packs a batch of examples into as few rows as fit ``row_len`` tokens
+turns as labels. ``pack_examples`` packs a batch of examples into as few rows as fit the longest example
 (first-fit decreasing); ``packed_tensors`` gives ``input_ids``/``labels``/``position_ids`` with the
 positions restarting at 0 for each example and NO attention mask: transformers (>= 4.56 / 5.x) then
 derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
@@ -84,9 +84,14 @@ def pack_examples(lengths: list[int], row_len: int) -> list[list[int]]:
 
 
 def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pad_id: int) -> dict[str, Any]:
-    """Pack examples into a ``[rows, L]`` batch (L = longest packed row) with per-example positions."""
+    """Pack examples into a ``[rows, L]`` batch (L = longest packed row) with per-example positions.
+
+    Rows are at most as long as the batch's longest example (capped at ``row_len``): a packed row then
+    never costs more attention than a padded one, and the saving is exactly the padding.
+    """
     import torch
 
+    row_len = min(row_len, max(len(ids) for ids, _ in examples))
     rows = pack_examples([len(ids) for ids, _ in examples], row_len)
     width = max(sum(min(len(examples[i][0]), row_len) for i in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

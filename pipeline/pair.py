@@ -116,7 +116,6 @@ def answer_items(
             stop=tuple(decoding.stop),
             seed=seed,
         )
-        started = time.perf_counter()
         model, tokenizer = load_model(pair.base_dir, pair.adapters[specialist])
         prompts = [
             render_prompt(tokenizer, render_conversation(pair.harness, specialist, it["messages"]))
@@ -130,6 +129,7 @@ def answer_items(
             if progress is not None:
                 progress(base_done + round(share * n / max(of, 1)), total)
 
+        started = time.perf_counter()
         completions = generate(model, tokenizer, prompts, config, progress=report)
         CLOCK.add("generate", time.perf_counter() - started)
         del model

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     api_key: str | None = Field(
         default=None, description="When set, `ratchet serve` requires this bearer key."
     )
+    engine_api_key: str | None = Field(
+        default=None, description="Bearer key sent to an external OpenAI-compatible engine (`--engine external`)."
+    )
     device: str = Field(default="auto", description="Torch device for training and serving: auto, cpu, cuda.")
 
     @property

@@ -45,7 +45,7 @@ class TinyModelConfig:
     num_heads: int = 4
     intermediate_size: int = 256
     max_position_embeddings: int = 128
-    bootstrap_steps: int = 300
+    bootstrap_steps: int = 400  # measured: base held-out ~3-9%, sampling succeeds ~5% (see bench)
     bootstrap_batch_size: int = 64
     bootstrap_lr: float = 3e-3
     corpus_size: int = 20_000
@@ -152,6 +152,8 @@ def build_tiny_model(
         loss_value = float(loss.detach())
         if progress is not None:
             progress(step + 1, config.bootstrap_steps, loss_value)
+        if (step + 1) % 100 == 0:
+            log.info("bootstrap step %d/%d loss %.3f", step + 1, config.bootstrap_steps, loss_value)
     elapsed = time.perf_counter() - started
     log.info("tiny model pretrained: %d steps, loss %.3f, %.1fs", config.bootstrap_steps, loss_value, elapsed)
 

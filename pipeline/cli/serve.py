@@ -42,7 +42,6 @@ def serve(
     ] = False,
 ) -> None:
     """Serve a generation: route each turn to one specialist, answer, record it as experience."""
-    import os
 
     import uvicorn
 
@@ -59,7 +58,7 @@ def serve(
         generation=generation,
         engine=engine,  # type: ignore[arg-type]
         engine_url=engine_url,
-        engine_api_key=os.environ.get("RATCHET_ENGINE_API_KEY"),
+        engine_api_key=settings.engine_api_key,
         engine_model_template=engine_model,
         max_batch_size=max_batch_size,
         max_wait_ms=max_wait_ms,
