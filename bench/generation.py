@@ -35,7 +35,9 @@ def main() -> None:
     model, tok = load_model(ensure_tiny_model(config=TinyModelConfig(), cache_dir=args.cache))
     per = max(1, args.prompts // len(FAMILIES))
     prompts = [render_prompt(tok, i["messages"]) for f in FAMILIES for i in sample_prompts(f, per, seed=0)]
-    config = SamplingConfig(num_samples=args.samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    config = SamplingConfig(
+        num_samples=args.samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+    )
     n = len(prompts) * args.samples
 
     started = time.perf_counter()
@@ -46,7 +48,9 @@ def main() -> None:
     per_batch = max(1, args.batch_size // args.samples)
     with torch.inference_mode():
         for at in range(0, len(prompts), per_batch):
-            batch = tok(prompts[at : at + per_batch], add_special_tokens=False, padding=True, return_tensors="pt")
+            batch = tok(
+                prompts[at : at + per_batch], add_special_tokens=False, padding=True, return_tensors="pt"
+            )
             model.generate(**batch, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
                            num_return_sequences=args.samples, max_new_tokens=args.max_new_tokens,
                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip

@@ -69,12 +69,21 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--bootstrap-steps", type=int, default=TinyModelConfig.bootstrap_steps)
     parser.add_argument("--cache", type=Path, default=Path(".ratchet/cache"))
+    parser.add_argument(
+        "--base-seed", type=int, default=None, help="base model seed (default: each run's seed)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     report = {}
     for seed in args.seeds:
         started = time.perf_counter()
-        config = TinyModelConfig(seed=seed, bootstrap_steps=args.bootstrap_steps)
+        base_seed = seed if args.base_seed is None else args.base_seed
+        config = TinyModelConfig(seed=base_seed, bootstrap_steps=args.bootstrap_steps)
         base = ensure_tiny_model(config=config, cache_dir=args.cache)
         built = time.perf_counter() - started
         train = TrainConfig(lr=5e-4, epochs=2.0, batch_size=64, seed=seed, checkpoint_every=1000)

@@ -259,7 +259,10 @@ def curate_step(
             prompt_key(item["messages"]) for items in resolve_suites(contract).values() for item in items
         }
         candidates = load_candidates(
-            session=session, contract_version_id=gen.contract_version_id, lineage=config.lineage
+            session=session,
+            contract_version_id=gen.contract_version_id,
+            lineage=config.lineage,
+            min_score=contract.selection.min_score,
         )
         specialists = [a.specialist for a in gen.adapters]
         number = gen.number

@@ -142,8 +142,11 @@ def select_examples(
     return result
 
 
-def load_candidates(*, session: Any, contract_version_id: int, lineage: str | None = None) -> list[Candidate]:
-    """Every scored trace (total under the contract version), optionally limited to one lineage's generations."""
+def load_candidates(
+    *, session: Any, contract_version_id: int, lineage: str | None = None, min_score: float | None = None
+) -> list[Candidate]:
+    """Scored traces (total under the contract version), optionally limited to one lineage's generations and
+    to those at or above ``min_score`` (traces with feedback are always kept: they may carry a correction)."""
     from sqlalchemy import select
 
     from pipeline.registry.models import Experience, Generation, Score
@@ -167,6 +170,8 @@ def load_candidates(*, session: Any, contract_version_id: int, lineage: str | No
         )
         .order_by(Experience.id)
     )
+    if min_score is not None:
+        stmt = stmt.where((Score.value >= min_score) | Experience.feedback.is_not(None))
     if lineage is not None:
         stmt = stmt.outerjoin(Generation, Generation.id == Experience.generation_id).where(
             (Generation.lineage == lineage) | (Experience.generation_id.is_(None))

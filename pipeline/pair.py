@@ -8,9 +8,10 @@ adapter (or the bare base when it has none yet).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +27,6 @@ class PairSpec:
     base_dir: Path
     adapters: dict[str, Path | None]
     harness: Any  # HarnessSpec
-
-
-@dataclass
-class ComputeClock:
-    """Seconds spent in model compute (generation, training), for the overhead benchmark."""
-
-    seconds: float = 0.0
-    by_kind: dict[str, float] = field(default_factory=dict)
-
-    def add(self, kind: str, seconds: float) -> None:
-        self.seconds += seconds
-        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
-
-
-CLOCK = ComputeClock()
 
 
 def pair_for_generation(generation: Any) -> PairSpec:
@@ -70,6 +56,37 @@ def pair_for_generation(generation: Any) -> PairSpec:
     )
 
 
+_MODELS: dict[tuple[str, str | None], tuple[Any, Any]] = {}
+_MODELS_LOCK = threading.Lock()
+SMALL_MODEL_PARAMETERS = 50_000_000  # below this, keep several merged copies in memory
+
+
+def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a base + adapter, merged for decoding, kept for reuse in this process.
+
+    Keyed by the adapter's weights file identity (path, size, mtime), so a retrained adapter is reloaded.
+    Small models keep up to 16 merged copies (collection, co-design and evaluation reload the same
+    pairs many times); larger ones keep only the most recent.
+    """
+    from pipeline.generation import load_model
+
+    ident = None
+    if adapter_dir is not None:
+        stat = (Path(adapter_dir) / "adapter_model.safetensors").stat()
+        ident = f"{Path(adapter_dir).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = (str(Path(base_dir).resolve()), ident)
+    with _MODELS_LOCK:
+        found = _MODELS.pop(key, None)
+        if found is None:
+            found = load_model(base_dir, adapter_dir)
+        _MODELS[key] = found  # most recent last
+        size = sum(p.numel() for p in found[0].parameters())
+        keep = 16 if size < SMALL_MODEL_PARAMETERS else 1
+        while len(_MODELS) > keep:
+            _MODELS.pop(next(iter(_MODELS)))
+        return found
+
+
 def render_conversation(
     harness: Any, specialist: str, messages: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -92,8 +109,9 @@ def answer_items(
 
     ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness).
     """
+    from pipeline.clock import CLOCK
     from pipeline.environment import completion_trace
-    from pipeline.generation import SamplingConfig, generate, load_model
+    from pipeline.generation import SamplingConfig, generate
     from pipeline.packing import render_prompt
     from pipeline.prompting import decoding_for
 
@@ -116,7 +134,7 @@ def answer_items(
             stop=tuple(decoding.stop),
             seed=seed,
         )
-        model, tokenizer = load_model(pair.base_dir, pair.adapters[specialist])
+        model, tokenizer = cached_model(pair.base_dir, pair.adapters[specialist])
         prompts = [
             render_prompt(tokenizer, render_conversation(pair.harness, specialist, it["messages"]))
             for it in items
@@ -132,7 +150,6 @@ def answer_items(
         started = time.perf_counter()
         completions = generate(model, tokenizer, prompts, config, progress=report)
         CLOCK.add("generate", time.perf_counter() - started)
-        del model
         done += len(items) * num_samples
         out[specialist] = [
             [completion_trace(item, text) for text in texts]

@@ -289,6 +289,7 @@ def score_experience(
     """
     from sqlalchemy import delete, exists, func, insert, select
 
+    from pipeline.clock import CLOCK
     from pipeline.contract import ContractSpec as _Contract
     from pipeline.errors import NotFoundError
     from pipeline.registry.models import ContractVersion, Experience, HarnessVersion, Score, utcnow
@@ -351,7 +352,8 @@ def score_experience(
                     "routes": r.routes,
                 }
                 jobs.append((r.id, trace, harness_for(r.harness_version_id)))
-            scored = list(pool.map(lambda job: score_trace(contract, job[1], harness=job[2]), jobs))
+            with CLOCK.measure("score"):
+                scored = list(pool.map(lambda job: score_trace(contract, job[1], harness=job[2]), jobs))
             ids = [job[0] for job in jobs]
             if rescore:
                 session.execute(
@@ -373,7 +375,7 @@ def score_experience(
                 result.errors += res.errors
                 result.unscorable += res.total is None
                 result.by_specialist[res.specialist] = result.by_specialist.get(res.specialist, 0) + 1
-            session.execute(insert(Score), new_rows)  # one executemany per batch
+            session.execute(insert(Score.__table__), new_rows)  # one Core executemany per batch
             result.rows += len(new_rows)
             session.commit()
             if progress is not None:

@@ -28,8 +28,8 @@ def train_step(
     import json as _json
 
     import pipeline
+    from pipeline.clock import CLOCK
     from pipeline.modelspec import ModelSpec
-    from pipeline.pair import CLOCK
     from pipeline.registry import (
         TrainingDataset,
         create_adapter,
@@ -160,7 +160,10 @@ def codesign_step(
         pair = pair_for_generation(gen)
         parent_harness = pair.harness
         candidates = load_candidates(
-            session=session, contract_version_id=gen.contract_version_id, lineage=config.lineage
+            session=session,
+            contract_version_id=gen.contract_version_id,
+            lineage=config.lineage,
+            min_score=contract.selection.min_score,
         )
         number = gen.number
     if not config.codesign:

@@ -189,12 +189,17 @@ def test_expert_iteration_loop_runs_end_to_end(base_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_expert_iteration_improves_heldout_accuracy(tmp_path, seed):
+    """The demo's claim, measured: three generations raise mean held-out accuracy over the four families."""
     base = ensure_tiny_model(config=TinyModelConfig(seed=seed), cache_dir=tmp_path / "cache")
     train = TrainConfig(lr=5e-4, epochs=2.0, batch_size=64, seed=seed)
-    accuracy, kept = _expert_iteration(base, tmp_path, family="chat", generations=3, prompts=750, heldout=300,
-                                       train=train)  # fmt: skip
-    assert kept > 0
-    assert accuracy[-1] > accuracy[0] + 0.03, accuracy
+    first, last = [], []
+    for family in FAMILIES:
+        accuracy, kept = _expert_iteration(base, tmp_path / family, family=family, generations=3, prompts=750,
+                                           heldout=200, train=train)  # fmt: skip
+        assert kept > 0
+        first.append(accuracy[0])
+        last.append(accuracy[-1])
+    assert sum(last) > sum(first), (first, last)
 
 
 def test_families_cover_the_demo_specialists():

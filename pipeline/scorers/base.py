@@ -89,3 +89,32 @@ def parse_json_content(text: str) -> Any:
         if blocks:
             return json.loads(blocks[0])
         raise ValueError(f"not JSON: {first.msg} at line {first.lineno} column {first.colno}") from None
+
+
+_VALIDATORS: dict[str, Any] = {}
+
+
+def schema_validator(schema: dict[str, Any]) -> Any:
+    """A checked, compiled JSON Schema validator, built once per distinct schema (the meta-schema check and
+    the validator's construction cost far more than validating a small document). Raises
+    ``jsonschema.SchemaError`` for an invalid schema."""
+    import json
+
+    import jsonschema
+
+    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    found = _VALIDATORS.get(key)
+    if found is None:
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            found = exc
+        else:
+            found = cls(schema)
+        if len(_VALIDATORS) >= 4096:
+            _VALIDATORS.pop(next(iter(_VALIDATORS)))
+        _VALIDATORS[key] = found
+    if isinstance(found, Exception):
+        raise found
+    return found

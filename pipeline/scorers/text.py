@@ -6,7 +6,13 @@ import re
 import string
 from typing import Any
 
-from pipeline.scorers.base import NOT_APPLICABLE, ScorerOutcome, TurnContext, parse_json_content
+from pipeline.scorers.base import (
+    NOT_APPLICABLE,
+    ScorerOutcome,
+    TurnContext,
+    parse_json_content,
+    schema_validator,
+)
 from pipeline.scorers.config import (
     ExactMatchScorer,
     FeedbackScorer,
@@ -86,11 +92,10 @@ def score_json_schema(cfg: JsonSchemaScorer, ctx: TurnContext) -> ScorerOutcome:
     if not isinstance(schema, dict):
         return ScorerOutcome(None, f"metadata.{cfg.schema_field} is not a JSON Schema object")
     try:
-        validator_cls = jsonschema.validators.validator_for(schema)
-        validator_cls.check_schema(schema)
+        validator = schema_validator(schema)
     except jsonschema.SchemaError as exc:
         return ScorerOutcome(None, f"invalid schema in metadata.{cfg.schema_field}: {exc.message}")
-    errors = sorted(validator_cls(schema).iter_errors(data), key=lambda e: list(e.absolute_path))
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if not errors:
         return ScorerOutcome(1.0)
     first = errors[0]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.scorers.base import NOT_APPLICABLE, ScorerOutcome, TurnContext, parse_json_content
+from pipeline.scorers.base import (
+    NOT_APPLICABLE,
+    ScorerOutcome,
+    TurnContext,
+    parse_json_content,
+    schema_validator,
+)
 from pipeline.scorers.config import ToolCallScorer
 
 
@@ -77,8 +83,6 @@ def _arguments(raw: Any) -> dict[str, Any]:
 
 
 def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any], str | None]:
-    import jsonschema
-
     args = _arguments(call["arguments"])
     if ctx.harness is None:
         return args, None
@@ -86,11 +90,7 @@ def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any],
     tool = tools.get(call["name"])
     if tool is None:
         return args, f"unknown tool {call['name']!r} (harness tools: {', '.join(sorted(tools)) or 'none'})"
-    errors = list(
-        jsonschema.validators.validator_for(tool.function.parameters)(tool.function.parameters).iter_errors(
-            args
-        )
-    )
+    errors = list(schema_validator(tool.function.parameters).iter_errors(args))
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "<root>"
         return args, f"{call['name']}: arguments invalid at {where}: {errors[0].message}"
