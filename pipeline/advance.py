@@ -35,9 +35,6 @@ class AdvanceConfig:
     samples_per_prompt: int = 4  # k attempts per prompt, all recorded as experience
     temperature: float = 0.7  # sampling temperature of collection (evaluation is greedy)
     min_examples: int = 16  # a specialist with fewer curated examples keeps its parent's adapter
-    epochs: float = 2.0  # passes over the accumulated curated set per generation
-    lr: float = 5e-4
-    batch_size: int = 64
     validation_items: int = 48  # per specialist, for choosing among harness variants
     codesign: bool = True
     seed: int = 0

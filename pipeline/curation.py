@@ -200,6 +200,9 @@ def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     from pipeline.training import dataset_sha256
 
     datasets.disable_progress_bars()
-    rows = [{"messages": e["messages"], "score": e["score"], "experience_id": e["experience_id"]} for e in examples]
+    rows = [
+        {"messages": e["messages"], "score": e["score"], "experience_id": e["experience_id"]}
+        for e in examples
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
     return dataset_sha256(rows), len(rows)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class PretrainConfig(StrictModel):
     """Bootstrap pretraining of the tiny base model on a task environment's corpus."""
 
-    steps: int = Field(default=300, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=850, ge=1, description="Optimizer steps.")
     batch_size: int = Field(default=64, ge=1, description="Sequences per step (packed into rows).")
     lr: float = Field(
         default=3e-3, gt=0, description="Peak learning rate (AdamW; linear warmup, then linear decay to 10%)."
@@ -103,9 +103,9 @@ class LoraConfig(StrictModel):
 class TrainDefaults(StrictModel):
     """Training defaults of one specialist's adapter."""
 
-    lr: float = Field(default=1e-3, gt=0, description="Learning rate.")
-    epochs: int = Field(default=3, ge=1, description="Passes over the curated dataset.")
-    batch_size: int = Field(default=16, ge=1, description="Examples per step.")
+    lr: float = Field(default=5e-4, gt=0, description="Learning rate.")
+    epochs: float = Field(default=2.0, gt=0, description="Passes over the curated (accumulated) dataset.")
+    batch_size: int = Field(default=64, ge=1, description="Examples per step.")
     max_steps: int | None = Field(default=None, ge=1, description="Step cap (overrides epochs); null: none.")
 
 

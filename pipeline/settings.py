@@ -32,7 +32,14 @@ class Settings(BaseSettings):
         default=None, description="When set, `ratchet serve` requires this bearer key."
     )
     engine_api_key: str | None = Field(
-        default=None, description="Bearer key sent to an external OpenAI-compatible engine (`--engine external`)."
+        default=None,
+        description="Bearer key sent to an external OpenAI-compatible engine (`--engine external`).",
+    )
+    torch_threads: int = Field(
+        default=0,
+        ge=0,
+        description="CPU threads for torch in training and generation (0: torch's default). On a small, busy "
+        "machine 1 is often fastest: OpenMP threads that wait for each other cost more than they give.",
     )
     device: str = Field(default="auto", description="Torch device for training and serving: auto, cpu, cuda.")
 
@@ -55,6 +62,15 @@ class Settings(BaseSettings):
     def ensure_home(self) -> Path:
         self.home.mkdir(parents=True, exist_ok=True)
         return self.home
+
+
+def apply_torch_threads(settings: Settings | None = None) -> None:
+    """Set torch's CPU thread count from the settings (no-op for 0)."""
+    settings = settings or get_settings()
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
 
 
 @lru_cache(maxsize=1)

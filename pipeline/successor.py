@@ -68,21 +68,21 @@ def train_step(
         trained = dict((gen.state or {}).get("trained", {}))
     out_dir = artifacts_for(config.lineage, number) / "adapters"
     results: dict[str, Any] = {}
-    for specialist, (path, digest, rows) in sorted(datasets.items()):
+    for specialist, (path, digest, _rows) in sorted(datasets.items()):
         if specialist in trained:  # done before a crash: keep it
             results[specialist] = trained[specialist]
             continue
-        lora = spec.specialists[specialist].lora
+        lora, defaults = spec.specialists[specialist].lora, spec.specialists[specialist].training
         parent_adapter = parent_adapters.get(specialist)
-        steps = max(1, round(config.epochs * rows / config.batch_size))
         train_config = TrainConfig(
             rank=lora.rank,
             alpha=lora.alpha,
             dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
-            lr=config.lr,
-            max_steps=steps,
-            batch_size=config.batch_size,
+            target_modules=tuple(lora.target_modules),
+            lr=defaults.lr,
+            epochs=defaults.epochs,
+            max_steps=defaults.max_steps,
+            batch_size=defaults.batch_size,
             seed=step_seed(config, number, specialist),
         )
         result = train_lora(
@@ -98,12 +98,14 @@ def train_step(
                 "parent_adapter_sha256": parent_adapter.sha256 if parent_adapter else None,
             },
             tracker=tracker,
-                        progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
+            progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
         )
         CLOCK.add("train", result.seconds)  # the optimisation loop itself; loading and saving are overhead
         version = None
         if tracker is not None and result.run_id:
-            version = tracker.register_adapter(registered_model_name(config.lineage, specialist), result.run_id, "adapter")
+            version = tracker.register_adapter(
+                registered_model_name(config.lineage, specialist), result.run_id, "adapter"
+            )
         with session_scope(engine) as session:
             gen = load_generation(session, generation_id)
             adapter = create_adapter(

@@ -14,6 +14,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread: the suite runs beside a PostgreSQL server, Prefect and subprocesses on 2 cores, where
+# OpenMP threads waiting for each other made model tests several times slower (measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 PG_URL = os.environ.get("RATCHET_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

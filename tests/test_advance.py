@@ -33,7 +33,7 @@ from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=96, max_position_embeddings=64,
                         bootstrap_steps=120, bootstrap_batch_size=32, corpus_size=2000, seed=3)  # fmt: skip
-FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, epochs=1.0, batch_size=16,
+FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2,
                      validation_items=6, seed=1)  # fmt: skip
 
 
@@ -47,7 +47,10 @@ def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, P
     model = {
         "name": "test-tiny",
         "base": {"path": str(base)},
-        "specialists": {s: {"lora": {"rank": 4, "alpha": 8}} for s in ("chat", "agent", "coding", "genui")},
+        "specialists": {
+            s: {"lora": {"rank": 4, "alpha": 8}, "training": {"epochs": 1, "batch_size": 16}}
+            for s in ("chat", "agent", "coding", "genui")
+        },
     }
     contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     contract["version"] = "test"

@@ -42,8 +42,17 @@ def test_ingest_is_idempotent_and_counts_everything(engine, tmp_path):
     tool = {
         "messages": [
             {"role": "user", "content": "set a timer for 5 minutes"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "set_timer", "arguments": "{\"minutes\": 5}"}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "set_timer", "arguments": '{"minutes": 5}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "ok"},
             {"role": "assistant", "content": "Timer set."},
         ],
@@ -60,7 +69,10 @@ def test_ingest_is_idempotent_and_counts_everything(engine, tmp_path):
     assert _count(engine, Experience) == 51
     with session_scope(engine) as s:
         row = s.scalar(select(Experience).where(Experience.specialist == "agent"))
-        assert row.routes[0]["reason"] == "signal: timer" and row.feedback == {"rating": 1, "correction": None}
+        assert row.routes[0]["reason"] == "signal: timer" and row.feedback == {
+            "rating": 1,
+            "correction": None,
+        }
         assert row.messages[1]["tool_calls"][0]["function"]["name"] == "set_timer"
         assert row.source == "import"
         age = (utcnow() - row.created_at).total_seconds()
@@ -69,7 +81,7 @@ def test_ingest_is_idempotent_and_counts_everything(engine, tmp_path):
 
 BAD_LINES = [
     (b"{not json", "bad JSON"),
-    (b"\xff\xfe{\"messages\": []}", "invalid UTF-8"),
+    (b'\xff\xfe{"messages": []}', "invalid UTF-8"),
     (b"[1, 2]", "wrong shape"),
     (json.dumps({"messages": []}).encode(), "wrong shape: messages"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role"),
@@ -111,8 +123,10 @@ def test_content_hash_is_canonical():
     reordered["metadata"] = dict(reversed(list(reordered["metadata"].items())))
     assert trace_row(validate_trace(reordered), source="import").content_hash == a.content_hash
     assert trace_row(validate_trace(_trace(2)), source="import").content_hash != a.content_hash
-    served_twice = {trace_row(validate_trace(_trace(1)), source="deployment", completion_id=c).content_hash
-                    for c in ("a", "b")}
+    served_twice = {
+        trace_row(validate_trace(_trace(1)), source="deployment", completion_id=c).content_hash
+        for c in ("a", "b")
+    }
     assert len(served_twice) == 2
     with pytest.raises(TraceError):
         validate_trace({"messages": [{"role": "user"}]})

@@ -21,11 +21,18 @@ def prefect_server():
 def _traces(path, n):
     with open(path, "w") as fh:
         for i in range(n):
-            fh.write(json.dumps({
-                "messages": [{"role": "user", "content": f"What is {i}+2?"},
-                             {"role": "assistant", "content": str(i + 2 if i % 2 else i)}],
-                "metadata": {"specialist": "chat", "expected": str(i + 2)},
-            }) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What is {i}+2?"},
+                            {"role": "assistant", "content": str(i + 2 if i % 2 else i)},
+                        ],
+                        "metadata": {"specialist": "chat", "expected": str(i + 2)},
+                    }
+                )
+                + "\n"
+            )
         fh.write("{broken\n")
     return path
 

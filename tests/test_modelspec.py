@@ -81,7 +81,7 @@ def test_tiny_config_maps_every_field():
 def test_path_base_with_defaults(tmp_path):
     spec = load(tmp_path, PATH_BASE)
     assert spec.base.path == "/models/some-hf-dir" and spec.base.tiny is None
-    assert spec.specialists["chat"].lora.rank == 16 and spec.specialists["chat"].training.epochs == 3
+    assert spec.specialists["chat"].lora.rank == 16 and spec.specialists["chat"].training.epochs == 2.0
 
 
 def test_exactly_one_base(tmp_path):

@@ -34,7 +34,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     },
                     "scores": ev.get("scores", {}),
                     "overall": ev.get("overall"),
-                "router_accuracy": (ev.get("router") or {}).get("accuracy"),
+                    "router_accuracy": (ev.get("router") or {}).get("accuracy"),
                     "decision": g.decision,
                     "step": g.step,
                     "created_at": g.created_at.isoformat(),
@@ -53,8 +53,9 @@ def print_lineage(lineage: str) -> None:
     specialists = sorted({s for r in rows for s in r["adapters"]})
     table = Table(title=f"lineage {lineage}", show_lines=False)
     for col in ("gen", "parent", "status", "harness", *specialists, "overall", "router", "decision"):
-        table.add_column(col, overflow="fold", max_width=56 if col == "decision" else None,
-                         no_wrap=col != "decision")
+        table.add_column(
+            col, overflow="fold", max_width=56 if col == "decision" else None, no_wrap=col != "decision"
+        )
     for r in rows:
         cells = []
         for s in specialists:
@@ -164,6 +165,9 @@ def ensure_base_model(lineage: str) -> None:
 
     from pipeline.modelspec import ModelSpec
     from pipeline.registry import get_champion, get_engine, session_scope
+    from pipeline.settings import apply_torch_threads
+
+    apply_torch_threads()
 
     with session_scope(get_engine()) as session:
         champion = get_champion(session=session, lineage=lineage)

@@ -11,8 +11,17 @@ from pipeline.registry import Base, current_revision, downgrade_db, make_engine,
 from pipeline.registry.models import JSONText, UTCDateTime
 
 TABLES = {
-    "base_models", "harness_versions", "contract_versions", "adapters", "generations", "generation_adapters",
-    "experience", "scores", "quarantine", "datasets", "audit_log",
+    "base_models",
+    "harness_versions",
+    "contract_versions",
+    "adapters",
+    "generations",
+    "generation_adapters",
+    "experience",
+    "scores",
+    "quarantine",
+    "datasets",
+    "audit_log",
 }
 
 
@@ -83,7 +92,9 @@ def test_drift_check_can_fail(empty_url):
     engine = make_engine(empty_url)
     try:
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": _compare_type}), extra)
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": _compare_type}), extra
+            )
     finally:
         engine.dispose()
     assert any(d[0] == "add_table" and d[1].name == "not_migrated" for d in diff)

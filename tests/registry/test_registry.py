@@ -32,7 +32,9 @@ SPECIALISTS = ["chat", "agent"]
 
 
 def _seed(session):
-    base = register_base_model(session=session, name="tiny", path="/models/tiny", spec={"tiny": {"hidden": 8}})
+    base = register_base_model(
+        session=session, name="tiny", path="/models/tiny", spec={"tiny": {"hidden": 8}}
+    )
     harness = register_harness(session=session, name="demo", version="v1", spec={"prompt": "hi"})
     contract = register_contract(session=session, name="demo", version="1", spec={"scorers": []})
     return base, harness, contract
@@ -40,8 +42,12 @@ def _seed(session):
 
 def _gen(session, base, harness, contract, **kw):
     return create_generation(
-        session=session, base_model_id=base.id, harness_version_id=harness.id,
-        contract_version_id=contract.id, specialists=SPECIALISTS, **kw,
+        session=session,
+        base_model_id=base.id,
+        harness_version_id=harness.id,
+        contract_version_id=contract.id,
+        specialists=SPECIALISTS,
+        **kw,
     )
 
 
@@ -56,7 +62,9 @@ def test_versions_are_content_addressed(engine):
             register_contract(session=s, name="demo", version="1", spec={"scorers": ["x"]})
         with pytest.raises(ConflictError):
             register_base_model(session=s, name="tiny", path="/elsewhere", spec={})
-        assert register_contract(session=s, name="demo", version="2", spec={"scorers": ["x"]}).id != contract.id
+        assert (
+            register_contract(session=s, name="demo", version="2", spec={"scorers": ["x"]}).id != contract.id
+        )
     with session_scope(engine) as s:
         n = s.scalar(select(func.count()).select_from(AuditLog).where(AuditLog.action == "register"))
         assert n == 4  # base, harness, contract v1, contract v2 — no-ops are not audited
@@ -66,12 +74,23 @@ def test_generation_lifecycle_and_champion(engine):
     with session_scope(engine) as s:
         base, harness, contract = _seed(s)
         g0 = _gen(s, base, harness, contract)
-        assert g0.number == 0 and {a.specialist: a.adapter_id for a in g0.adapters} == {"chat": None, "agent": None}
+        assert g0.number == 0 and {a.specialist: a.adapter_id for a in g0.adapters} == {
+            "chat": None,
+            "agent": None,
+        }
         promote_generation(session=s, generation=g0, reason="initial")
         g1 = _gen(s, base, harness, contract, parent_id=g0.id)
         assert g1.number == 1
-        adapter = create_adapter(session=s, specialist="chat", base_model_id=base.id, rank=8, alpha=16,
-                                 target_modules=["q_proj"], artifact_uri="/a/chat", sha256="0" * 64)
+        adapter = create_adapter(
+            session=s,
+            specialist="chat",
+            base_model_id=base.id,
+            rank=8,
+            alpha=16,
+            target_modules=["q_proj"],
+            artifact_uri="/a/chat",
+            sha256="0" * 64,
+        )
         assert adapter.version == 1
         set_generation_adapter(session=s, generation=g1, specialist="chat", adapter_id=adapter.id)
         with pytest.raises(RatchetError, match="no specialist 'coding'"):
