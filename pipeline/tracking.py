@@ -37,6 +37,8 @@ class Tracker(Protocol):
 
     def set_alias(self, name: str, alias: str, version: str) -> None: ...
 
+    def delete_alias(self, name: str, alias: str) -> None: ...
+
 
 class MLflowTracker:
     """``Tracker`` over an MLflow tracking store (one experiment)."""
@@ -115,6 +117,18 @@ class MLflowTracker:
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, str(version))
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        """Remove an alias (no-op when the model or the alias does not exist)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.delete_registered_model_alias(name, alias)
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" not in str(exc.error_code) and "INVALID_PARAMETER_VALUE" not in str(
+                exc.error_code
+            ):
+                raise
 
     def alias_version(self, name: str, alias: str) -> str:
         """The version an alias points to (raises mlflow's error when unset)."""

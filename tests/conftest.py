@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
+
+from pipeline.tinymodel import TinyModelConfig
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,3 +101,74 @@ def engine(registry_url):
     eng = make_engine(registry_url)
     yield eng
     eng.dispose()
+
+
+# ---- a small tiny model and a lineage on it (advancement, flows) --------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=96, max_position_embeddings=64,
+                        bootstrap_steps=120, bootstrap_batch_size=32, corpus_size=2000, seed=3)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_base(tmp_path_factory):
+    from pipeline.tinymodel import ensure_tiny_model
+
+    return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
+
+
+def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, Path]:
+    """A model spec on the small base and the demo contract with smaller held-out suites."""
+    model = {
+        "name": "test-tiny",
+        "base": {"path": str(base)},
+        "specialists": {
+            s: {"lora": {"rank": 4, "alpha": 8}, "training": {"epochs": 1, "batch_size": 16}}
+            for s in ("chat", "agent", "coding", "genui")
+        },
+    }
+    contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
+    contract["version"] = "test"
+    for suite in contract["heldout"]:
+        suite["size"] = heldout_size
+    contract["promotion"]["bootstrap_samples"] = 200
+    paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
+    paths["model"].write_text(yaml.safe_dump(model))
+    paths["contract"].write_text(yaml.safe_dump(contract))
+    return paths
+
+
+@pytest.fixture
+def lineage(small_base, tmp_path):
+    from pipeline.lineage import init_lineage
+
+    specs = write_specs(tmp_path, small_base)
+    init_lineage(
+        contract_path=specs["contract"],
+        harness_path=ROOT / "harnesses" / "demo.yaml",
+        model_path=specs["model"],
+    )
+    ingest_corrections(tmp_path / "feedback.jsonl")
+    return specs
+
+
+def ingest_corrections(path: Path, per_specialist: int = 12) -> None:
+    """Deployment traces the model got wrong, each with the user's corrected answer (a training source)."""
+    from pipeline.environment import reference_answer, sample_prompts
+    from pipeline.experience import ingest_file
+
+    with open(path, "w") as fh:
+        for specialist in ("chat", "agent", "coding", "genui"):
+            for item in sample_prompts(specialist, per_specialist, seed=99):
+                trace = {
+                    "messages": [*item["messages"], {"role": "assistant", "content": "?"}],
+                    "metadata": item["metadata"],
+                    "feedback": {"rating": 1, "correction": reference_answer(item)},
+                }
+                fh.write(json.dumps(trace) + "\n")
+    from pipeline.registry import get_engine, session_scope
+
+    engine = get_engine()
+    result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment")
+    assert result.stored > 40 and result.quarantined == 0, result
+
+

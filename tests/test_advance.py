@@ -28,72 +28,9 @@ from pipeline.registry import (
     list_generations,
     session_scope,
 )
-from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
-SMALL = TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=96, max_position_embeddings=64,
-                        bootstrap_steps=120, bootstrap_batch_size=32, corpus_size=2000, seed=3)  # fmt: skip
 FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2,
                      validation_items=6, seed=1)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def small_base(tmp_path_factory):
-    return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
-
-
-def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, Path]:
-    """A model spec on the small base and the demo contract with smaller held-out suites."""
-    model = {
-        "name": "test-tiny",
-        "base": {"path": str(base)},
-        "specialists": {
-            s: {"lora": {"rank": 4, "alpha": 8}, "training": {"epochs": 1, "batch_size": 16}}
-            for s in ("chat", "agent", "coding", "genui")
-        },
-    }
-    contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
-    contract["version"] = "test"
-    for suite in contract["heldout"]:
-        suite["size"] = heldout_size
-    contract["promotion"]["bootstrap_samples"] = 200
-    paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
-    paths["model"].write_text(yaml.safe_dump(model))
-    paths["contract"].write_text(yaml.safe_dump(contract))
-    return paths
-
-
-@pytest.fixture
-def lineage(small_base, tmp_path):
-    from pipeline.lineage import init_lineage
-
-    specs = write_specs(tmp_path, small_base)
-    init_lineage(
-        contract_path=specs["contract"],
-        harness_path=ROOT / "harnesses" / "demo.yaml",
-        model_path=specs["model"],
-    )
-    ingest_corrections(tmp_path / "feedback.jsonl")
-    return specs
-
-
-def ingest_corrections(path: Path, per_specialist: int = 12) -> None:
-    """Deployment traces the model got wrong, each with the user's corrected answer (a training source)."""
-    from pipeline.environment import reference_answer, sample_prompts
-    from pipeline.experience import ingest_file
-
-    with open(path, "w") as fh:
-        for specialist in ("chat", "agent", "coding", "genui"):
-            for item in sample_prompts(specialist, per_specialist, seed=99):
-                trace = {
-                    "messages": [*item["messages"], {"role": "assistant", "content": "?"}],
-                    "metadata": item["metadata"],
-                    "feedback": {"rating": 1, "correction": reference_answer(item)},
-                }
-                fh.write(json.dumps(trace) + "\n")
-    engine = get_engine()
-    result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment")
-    assert result.stored > 40 and result.quarantined == 0, result
 
 
 def _count(model, *where):
@@ -244,8 +181,9 @@ def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
 
 def test_promote_and_rollback_commands(lineage, capsys):
     from pipeline.cli import main
+    from pipeline.cli.advance import make_tracker
 
-    advance_once(config=FAST)
+    advance_once(config=FAST, tracker=make_tracker())
     with pytest.raises(SystemExit) as exc:
         main(["promote", "7"])
     assert exc.value.code == 1 and "no generation 7" in capsys.readouterr().err
@@ -258,8 +196,16 @@ def test_promote_and_rollback_commands(lineage, capsys):
         with pytest.raises(SystemExit):
             main(["promote", "1"])
         assert "already the champion" in capsys.readouterr().err
+    client = make_tracker().client
+    assert client.get_model_version_by_alias(
+        "ratchet-main-chat", "champion"
+    ).version  # moved with the champion
     main(["rollback"])
     assert "generation 0 is the champion" in capsys.readouterr().out
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException):  # generation 0 has no adapters: the alias is gone
+        client.get_model_version_by_alias("ratchet-main-chat", "champion")
     with pytest.raises(SystemExit):
         main(["rollback"])
     assert "nothing to roll back to" in capsys.readouterr().err

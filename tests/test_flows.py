@@ -53,3 +53,31 @@ def test_ingest_and_score_flows(prefect_server, tmp_path):
         totals = s.scalars(select(Score.value).where(Score.scorer == "total")).all()
     assert len(totals) == 10 and 0 < sum(totals) < 10  # half the answers are right
     assert score_experience().scored == 0  # nothing left unscored
+
+
+def test_advance_generation_flow(prefect_server, lineage):
+    """`ratchet advance`'s flow on a real temporary Prefect server: each step a task, a decision at the end."""
+    from prefect.client.orchestration import get_client
+
+    from flows import advance_generation
+    from pipeline.advance import STEPS, AdvanceConfig
+    from pipeline.registry import list_generations
+
+    config = AdvanceConfig(
+        prompts_per_specialist=12, samples_per_prompt=2, min_examples=2, validation_items=4
+    )
+    (outcome,) = advance_generation(generations=1, config=config)
+    assert outcome["generation"] == 1 and outcome["status"] in ("promoted", "rejected")
+    with session_scope(get_engine()) as s:
+        gens = list_generations(session=s)
+        assert [g.number for g in gens] == [0, 1] and set(gens[1].state["steps"]) == set(STEPS)
+
+    import asyncio
+
+    async def task_names():
+        async with get_client() as client:
+            runs = await client.read_task_runs()
+            return {r.name.rsplit("-", 1)[0] for r in runs}
+
+    names = asyncio.run(task_names())
+    assert set(STEPS) <= names, names  # every step ran as a Prefect task

@@ -223,15 +223,16 @@ def promote_cmd(
 
 
 def _move_aliases(session: Any, gen: Any, lineage: str) -> None:
+    """Point each specialist's MLflow `champion` alias at this generation's adapter (or remove it)."""
     from pipeline.successor import registered_model_name
 
-    tracker = None
+    tracker = make_tracker()
     for slot in gen.adapters:
+        name = registered_model_name(lineage, slot.specialist)
         if slot.adapter is not None and slot.adapter.mlflow_model_version:
-            tracker = tracker or make_tracker()
-            tracker.set_alias(
-                registered_model_name(lineage, slot.specialist), "champion", slot.adapter.mlflow_model_version
-            )
+            tracker.set_alias(name, "champion", slot.adapter.mlflow_model_version)
+        else:
+            tracker.delete_alias(name, "champion")
 
 
 @app.command("rollback")
