@@ -31,7 +31,7 @@ class AdvanceConfig:
     """Knobs of one advancement cycle (the signature is the config; the CLI exposes the main ones)."""
 
     lineage: str = "main"
-    prompts_per_specialist: int = 750  # prompts sampled from the environment's training stream
+    prompts_per_specialist: int = 1500  # prompts sampled from the environment's training stream
     samples_per_prompt: int = 4  # k attempts per prompt, all recorded as experience
     temperature: float = 0.7  # sampling temperature of collection (evaluation is greedy)
     min_examples: int = 16  # a specialist with fewer curated examples keeps its parent's adapter

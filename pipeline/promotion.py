@@ -28,7 +28,8 @@ def evaluate_step(
             pair_for_generation(gen),
             pair_for_generation(load_generation(session, gen.parent_id)),
         )
-    suites = resolve_suites(contract)
+    # the generation's specialists only (a lineage may serve a subset of the contract's specialists)
+    suites = {s: items for s, items in resolve_suites(contract).items() if s in candidate.adapters}
     if not suites:
         raise RatchetError("the contract declares no held-out suites: nothing to evaluate a candidate on")
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)

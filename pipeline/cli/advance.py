@@ -137,7 +137,7 @@ def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
 def advance_cmd(
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles to run.")] = 1,
     lineage: LineageOpt = "main",
-    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist.")] = 750,
+    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist.")] = 1500,
     samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
     codesign: Annotated[bool, typer.Option(help="Try harness variants with the new adapters.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of sampling, data order and initialisation.")] = 0,
@@ -250,7 +250,7 @@ def rollback_cmd(lineage: LineageOpt = "main") -> None:
 @app.command("demo")
 def demo_cmd(
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 3,
-    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")] = 750,
+    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")] = 1500,
     samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the run.")] = 0,
     lineage: LineageOpt = "main",
