@@ -228,6 +228,18 @@ def score_step(
     return outcome
 
 
+def lineage_candidates(session: Any, gen: Any, contract: Any) -> list[Any]:
+    """The lineage's scored experience at or above the contract's selection threshold (or with feedback)."""
+    from pipeline.curation import load_candidates
+
+    return load_candidates(
+        session=session,
+        contract_version_id=gen.contract_version_id,
+        lineage=gen.lineage,
+        min_score=contract.selection.min_score,
+    )
+
+
 def artifacts_for(lineage: str, number: int) -> Path:
     from pipeline.settings import get_settings
 
@@ -240,7 +252,7 @@ def curate_step(
     """One SFT dataset per specialist from all scored experience of the lineage (accumulated), held-out excluded."""
     from sqlalchemy import delete
 
-    from pipeline.curation import load_candidates, prompt_key, save_dataset, select_examples
+    from pipeline.curation import prompt_key, save_dataset, select_examples
     from pipeline.heldout import resolve_suites
     from pipeline.pair import render_conversation
     from pipeline.registry import TrainingDataset, get_engine, session_scope
@@ -255,12 +267,7 @@ def curate_step(
         heldout = {
             prompt_key(item["messages"]) for items in resolve_suites(contract).values() for item in items
         }
-        candidates = load_candidates(
-            session=session,
-            contract_version_id=gen.contract_version_id,
-            lineage=config.lineage,
-            min_score=contract.selection.min_score,
-        )
+        candidates = lineage_candidates(session, gen, contract)
         specialists = [a.specialist for a in gen.adapters]
         number = gen.number
     selected = select_examples(

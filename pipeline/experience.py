@@ -214,7 +214,8 @@ def ingest_file(
 
     path = Path(path)
     if not path.is_file():
-        raise NotFoundError(f"{path}: no such file (expected a JSONL file of traces)")
+        what = "is a directory" if path.is_dir() else "no such file"
+        raise NotFoundError(f"{path}: {what} (expected a JSONL file of traces)")
     if source not in SOURCES:
         raise RatchetError(f"unknown source {source!r}: expected one of {', '.join(SOURCES)}")
     total = os.path.getsize(path)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class PretrainConfig(StrictModel):
     """Bootstrap pretraining of the tiny base model on a task environment's corpus."""
 
-    steps: int = Field(default=850, ge=1, description="Optimizer steps.")
+    steps: int = Field(default=1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(default=64, ge=1, description="Sequences per step (packed into rows).")
     lr: float = Field(
         default=3e-3, gt=0, description="Peak learning rate (AdamW; linear warmup, then linear decay to 10%)."

@@ -10,6 +10,7 @@ from pipeline.advance import (
     Progress,
     artifacts_for,
     contract_of,
+    lineage_candidates,
     load_generation,
     mark_step,
     step_seed,
@@ -149,7 +150,6 @@ def codesign_step(
 ) -> dict[str, Any]:
     """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
     from pipeline.codesign import propose_variants
-    from pipeline.curation import load_candidates
     from pipeline.harness import check_harness
     from pipeline.heldout import score_pair, validation_items
     from pipeline.pair import PairSpec, pair_for_generation
@@ -161,12 +161,7 @@ def codesign_step(
         contract = contract_of(gen)
         pair = pair_for_generation(gen)
         parent_harness = pair.harness
-        candidates = load_candidates(
-            session=session,
-            contract_version_id=gen.contract_version_id,
-            lineage=config.lineage,
-            min_score=contract.selection.min_score,
-        )
+        candidates = lineage_candidates(session, gen, contract)
         number = gen.number
     if not config.codesign:
         outcome = {"chosen": parent_harness.version, "variants": {}}

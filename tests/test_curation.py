@@ -36,10 +36,20 @@ def test_threshold_dedup_and_best_kept():
         _cand(4, "3+3", "6", 0.85),
         _cand(5, "3+3", "6!", 0.95),
     ]
-    result = select_examples(cands, contract=CONTRACT, heldout_prompts=set())
+    by_prompt = _with_selection(dedup="prompt")
+    result = select_examples(cands, contract=by_prompt, heldout_prompts=set())
     chat = result.examples["chat"]
     assert [e["experience_id"] for e in chat] == [1, 5]
     assert result.dropped["below threshold"] == 1 and result.dropped["duplicate"] == 2
+    # `content` drops exact repeats only; `none` keeps every attempt above the threshold
+    content = select_examples(cands, contract=_with_selection(dedup="content"), heldout_prompts=set())
+    assert [e["experience_id"] for e in content.examples["chat"]] == [1, 4, 5]
+    everything = select_examples(cands, contract=_with_selection(dedup="none"), heldout_prompts=set())
+    assert [e["experience_id"] for e in everything.examples["chat"]] == [1, 2, 4, 5]
+
+
+def _with_selection(**changes):
+    return CONTRACT.model_copy(update={"selection": CONTRACT.selection.model_copy(update=changes)})
 
 
 def test_heldout_never_reaches_training():

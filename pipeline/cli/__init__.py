@@ -15,6 +15,11 @@ import typer
 
 from pipeline.errors import RatchetError
 
+try:  # typer >= 0.20 ships its own copy of click; its usage errors do not derive from click's
+    from typer._click.exceptions import ClickException as _TyperClickException
+except ImportError:  # pragma: no cover - older typer uses click itself
+    _TyperClickException = click.ClickException
+
 app = typer.Typer(
     name="ratchet",
     help="Ratchet: recursive self-improvement of model-harness pairs under an HCP contract.",
@@ -46,14 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     except RatchetError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, typer.Abort):
         click.echo("aborted", err=True)
         sys.exit(130)
-    except click.ClickException as exc:
+    except (click.ClickException, _TyperClickException) as exc:  # usage errors: one line, exit 2
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+    except (click.exceptions.Exit, typer.Exit) as exc:
+        sys.exit(getattr(exc, "exit_code", 0))
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

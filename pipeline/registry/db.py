@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pipeline.errors import RatchetError
@@ -35,7 +35,8 @@ def make_engine(url: str) -> Engine:
     """A new engine for ``url``; SQLite gets WAL, a busy timeout and foreign keys."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+        parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError):
         raise RatchetError(
             f"invalid database URL {url!r}: expected e.g. sqlite:///path.db or "
             "postgresql+psycopg://user@host/db"
@@ -103,7 +104,9 @@ def get_engine(url: str | None = None, *, upgrade: bool = True) -> Engine:
                     upgrade_db(url)
                 except Exception as exc:
                     if "OperationalError" in type(exc).__name__ or "connect" in str(exc).lower():
-                        raise RatchetError(f"cannot open the registry at {engine.url!r}: {exc}") from None
+                        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                        where = engine.url.render_as_string(hide_password=True)
+                        raise RatchetError(f"cannot open the registry at {where}: {reason}") from None
                     raise
             _engines[url] = engine
         return engine
