@@ -31,27 +31,49 @@ def synthetic_trace(i: int, rng: random.Random) -> dict:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
     kind = i % 4
     if kind == 0:
-        msgs = [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]
+        msgs = [
+            {"role": "user", "content": f"What is {a}+{b}?"},
+            {"role": "assistant", "content": str(a + b)},
+        ]
         meta = {"specialist": "chat", "expected": str(a + b), "task": "chat", "task_id": f"c{i}"}
     elif kind == 1:
         args = json.dumps({"minutes": a + b})
         msgs = [
             {"role": "user", "content": f"Set a timer for {a}+{b} minutes."},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call{i}", "type": "function", "function": {"name": "set_timer", "arguments": args}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call{i}",
+                        "type": "function",
+                        "function": {"name": "set_timer", "arguments": args},
+                    }
+                ],
+            },
         ]
-        meta = {"specialist": "agent", "expected_call": {"name": "set_timer", "arguments": {"minutes": a + b}}}
+        meta = {
+            "specialist": "agent",
+            "expected_call": {"name": "set_timer", "arguments": {"minutes": a + b}},
+        }
     elif kind == 2:
-        msgs = [{"role": "user", "content": f"Write f(x) returning x*{a}."},
-                {"role": "assistant", "content": f"def f(x):\n    return x*{a}"}]
+        msgs = [
+            {"role": "user", "content": f"Write f(x) returning x*{a}."},
+            {"role": "assistant", "content": f"def f(x):\n    return x*{a}"},
+        ]
         meta = {"specialist": "coding", "tests": f"assert f(2) == {2 * a}"}
     else:
-        msgs = [{"role": "user", "content": f"A button labelled n{a}."},
-                {"role": "assistant", "content": json.dumps({"type": "button", "label": f"n{a}"})}]
+        msgs = [
+            {"role": "user", "content": f"A button labelled n{a}."},
+            {"role": "assistant", "content": json.dumps({"type": "button", "label": f"n{a}"})},
+        ]
         meta = {"specialist": "genui"}
     meta["request"] = i
-    return {"messages": [{"role": "system", "content": "You are a helpful assistant."}, *msgs], "metadata": meta,
-            "feedback": rng.choice([None, 1, 0, {"rating": 1}])}
+    return {
+        "messages": [{"role": "system", "content": "You are a helpful assistant."}, *msgs],
+        "metadata": meta,
+        "feedback": rng.choice([None, 1, 0, {"rating": 1}]),
+    }
 
 
 def bare_rate(db: Path, rows: list) -> float:
@@ -59,14 +81,30 @@ def bare_rate(db: Path, rows: list) -> float:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     created = utcnow().isoformat(" ")
-    params = [(r.content_hash, r.completion_id, r.messages, r.metadata, r.feedback, r.routes, r.specialist,
-               r.source, r.generation_id, r.harness_version_id, created) for r in rows]
-    sql = ("INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist,"
-           " source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-           " ON CONFLICT (content_hash) DO NOTHING")
+    params = [
+        (
+            r.content_hash,
+            r.completion_id,
+            r.messages,
+            r.metadata,
+            r.feedback,
+            r.routes,
+            r.specialist,
+            r.source,
+            r.generation_id,
+            r.harness_version_id,
+            created,
+        )
+        for r in rows
+    ]
+    sql = (
+        "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist,"
+        " source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+        " ON CONFLICT (content_hash) DO NOTHING"
+    )
     start = time.perf_counter()
     for i in range(0, len(params), 2000):
-        conn.executemany(sql, params[i:i + 2000])
+        conn.executemany(sql, params[i : i + 2000])
         conn.commit()
     elapsed = time.perf_counter() - start
     n = conn.execute("select count(*) from experience").fetchone()[0]
@@ -125,7 +163,9 @@ def main() -> None:
         for t in traces:
             score_trace(contract, t)
         rate = len(traces) / (time.perf_counter() - start)
-        print(f"scoring (rule-based scorers, chat/agent/genui): {rate:,.0f} traces/s over {len(traces)} traces")
+        print(
+            f"scoring (rule-based scorers, chat/agent/genui): {rate:,.0f} traces/s over {len(traces)} traces"
+        )
         engine.dispose()
 
 

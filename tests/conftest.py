@@ -170,5 +170,3 @@ def ingest_corrections(path: Path, per_specialist: int = 12) -> None:
     engine = get_engine()
     result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment")
     assert result.stored > 40 and result.quarantined == 0, result
-
-
