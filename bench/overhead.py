@@ -1,6 +1,6 @@
 """Share of one demo generation's wall time spent outside model compute.
 
-Usage: python bench/overhead.py [--prompts 750] [--samples 4] [--home DIR]
+Usage: python bench/overhead.py [--prompts 1500] [--samples 4] [--home DIR]
 
 Registers the demo lineage (building the tiny base if needed, not timed), starts the Prefect flow
 machinery with a warm-up flow (the one-time temporary-server start is printed separately), then runs
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=750)
+    parser.add_argument("--prompts", type=int, default=1500)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--home", default=None, help="RATCHET_HOME (default: a temporary directory)")
     args = parser.parse_args()

@@ -55,6 +55,7 @@ class MLflowTracker:
             location = Path(artifact_root).resolve().as_uri() if artifact_root is not None else None
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
         self.run_id: str | None = None
+        self._pending: list[Any] = []
 
     @classmethod
     def from_settings(cls, settings: Any = None, experiment: str = "ratchet") -> MLflowTracker:
@@ -78,6 +79,7 @@ class MLflowTracker:
             yield run.info.run_id
             status = "FINISHED"
         finally:
+            self.flush()
             self.client.set_terminated(run.info.run_id, status=status)
             self.run_id = previous
 
@@ -95,7 +97,22 @@ class MLflowTracker:
             self.client.log_batch(run_id, params=items[at : at + 100])
 
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
-        self.client.log_metric(self._run(), key, float(value), step=step or 0)
+        """Buffered: per-step metrics go to the store in batches (one transaction per 200), not one by one."""
+        import time
+
+        from mlflow.entities import Metric
+
+        self._run()  # outside a run this is a bug: say so now, not at the flush
+        self._pending.append(Metric(key, float(value), int(time.time() * 1000), step or 0))
+        if len(self._pending) >= 200:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered metrics of the active run."""
+        if self._pending and self.run_id is not None:
+            pending, self._pending = self._pending, []
+            for at in range(0, len(pending), 1000):
+                self.client.log_batch(self.run_id, metrics=pending[at : at + 1000])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         path = Path(path)
