@@ -7,6 +7,7 @@ adapter (or the bare base when it has none yet).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -68,8 +69,6 @@ def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[Any, Any]:
     Small models keep up to 16 merged copies (collection, co-design and evaluation reload the same
     pairs many times); larger ones keep only the most recent.
     """
-    from pipeline.generation import load_model
-
     ident = None
     if adapter_dir is not None:
         stat = (Path(adapter_dir) / "adapter_model.safetensors").stat()
@@ -78,13 +77,28 @@ def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[Any, Any]:
     with _MODELS_LOCK:
         found = _MODELS.pop(key, None)
         if found is None:
-            found = load_model(base_dir, adapter_dir)
+            base, tokenizer = _MODELS.get((key[0], None)) or _load_base(base_dir)
+            if adapter_dir is None:
+                found = (base, tokenizer)
+            else:  # a private copy of the loaded base, with the adapter merged in (no re-reading the base)
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).merge_and_unload()
+                found = (model.eval(), tokenizer)
         _MODELS[key] = found  # most recent last
         size = sum(p.numel() for p in found[0].parameters())
         keep = 16 if size < SMALL_MODEL_PARAMETERS else 1
         while len(_MODELS) > keep:
             _MODELS.pop(next(iter(_MODELS)))
         return found
+
+
+def _load_base(base_dir: Path) -> tuple[Any, Any]:
+    from pipeline.generation import load_model
+
+    base = load_model(base_dir)
+    _MODELS[(str(Path(base_dir).resolve()), None)] = base
+    return base
 
 
 def render_conversation(
