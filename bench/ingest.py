@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.experience import ingest_file, trace_row, validate_trace  # noqa: E402
 from pipeline.registry import make_engine, session_scope, upgrade_db  # noqa: E402
+from pipeline.registry.experience import SQLITE_INSERT  # noqa: E402
 from pipeline.registry.models import utcnow  # noqa: E402
 
 
@@ -97,11 +98,7 @@ def bare_rate(db: Path, rows: list) -> float:
         )
         for r in rows
     ]
-    sql = (
-        "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist,"
-        " source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-        " ON CONFLICT (content_hash) DO NOTHING"
-    )
+    sql = SQLITE_INSERT
     start = time.perf_counter()
     for i in range(0, len(params), 2000):
         conn.executemany(sql, params[i : i + 2000])

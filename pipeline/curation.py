@@ -39,9 +39,6 @@ class CurationResult:
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
 
-    def count(self, specialist: str) -> int:
-        return len(self.examples.get(specialist, []))
-
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 

@@ -30,15 +30,8 @@ app = typer.Typer(
 
 
 def _register_commands() -> None:
-    # Imported for their side effect of adding commands to ``app``.
-    from pipeline.cli import core  # noqa: F401
-
-    for name in ("contract", "advance", "serve"):
-        try:
-            __import__(f"pipeline.cli.{name}")
-        except ModuleNotFoundError as exc:  # a command group not built yet
-            if exc.name != f"pipeline.cli.{name}":
-                raise
+    # Imported for their side effect of adding commands to ``app`` (each imports nothing heavy at load).
+    from pipeline.cli import advance, contract, core, serve  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -259,12 +259,12 @@ def demo_cmd(
     import time
 
     from pipeline.advance import AdvanceConfig
+    from pipeline.cli.core import REPO_ROOT as root
     from pipeline.lineage import init_lineage
     from pipeline.settings import get_settings
 
     started = time.perf_counter()
     settings = get_settings()
-    root = __import__("pipeline.cli.core", fromlist=["REPO_ROOT"]).REPO_ROOT
     result = init_lineage(
         contract_path=root / "contracts" / "demo.yaml",
         harness_path=root / "harnesses" / "demo.yaml",

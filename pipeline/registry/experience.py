@@ -34,7 +34,8 @@ _raw = Table(
     Column("created_at", UTCDateTime),
 )
 
-_SQLITE_INSERT = (
+# The exact statement bulk ingest sends on SQLite (bench/ingest.py times the same one bare).
+SQLITE_INSERT = (
     "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist, "
     "source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
     "ON CONFLICT (content_hash) DO NOTHING"
@@ -78,7 +79,7 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
         # sqlite3's executemany reports the rows really inserted (conflicts excluded).
         stamp = created.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
         cursor = session.connection().exec_driver_sql(
-            _SQLITE_INSERT,
+            SQLITE_INSERT,
             [
                 (
                     r.content_hash,
