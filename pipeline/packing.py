@@ -94,18 +94,25 @@ def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pa
     row_len = min(row_len, max(len(ids) for ids, _ in examples))
     rows = pack_examples([len(ids) for ids, _ in examples], row_len)
     width = max(sum(min(len(examples[i][0]), row_len) for i in row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    # Trailing pad continues the positions of a last dummy segment starting at 0 (its labels are ignored).
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        at = 0
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for row in rows:  # plain lists, one tensor per field: building tensors per example costs more
+        used = 0
         for i in row:
             ids, labs = examples[i]
             n = min(len(ids), row_len)
-            input_ids[r, at : at + n] = torch.tensor(ids[:n])
-            labels[r, at : at + n] = torch.tensor(labs[:n])
-            position_ids[r, at : at + n] = torch.arange(n)
-            at += n
-        position_ids[r, at:] = torch.arange(width - at)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+            input_ids += ids[:n]
+            labels += labs[:n]
+            positions += range(n)
+            used += n
+        # Trailing pad continues the positions of a last dummy segment starting at 0 (labels ignored).
+        input_ids += [pad_id] * (width - used)
+        labels += [IGNORE] * (width - used)
+        positions += range(width - used)
+    shape = (len(rows), width)
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long).view(shape),
+        "labels": torch.tensor(labels, dtype=torch.long).view(shape),
+        "position_ids": torch.tensor(positions, dtype=torch.long).view(shape),
+    }
