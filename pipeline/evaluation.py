@@ -7,7 +7,6 @@ overall score is the mean of the per-specialist means (each specialist counts th
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass, field
 from statistics import fmean
 from typing import Any
@@ -70,25 +69,22 @@ def paired_bootstrap(
     ``pairs[specialist]`` holds (champion, candidate) scores of the same items. Items are resampled
     within each specialist (stratified), jointly for both pairs.
     """
-    rng = random.Random(seed)
-    per: dict[str, list[float]] = {s: [] for s in pairs}
-    overall: list[float] = []
-    for _ in range(samples):
-        deltas = []
-        for s, items in pairs.items():
-            n = len(items)
-            picks = [items[rng.randrange(n)] for _ in range(n)]
-            d = fmean(c - p for p, c in picks)
-            per[s].append(d)
-            deltas.append(d)
-        overall.append(fmean(deltas))
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per = {}
+    for s, items in pairs.items():
+        deltas = np.array([c - p for p, c in items], dtype=np.float64)
+        picks = rng.integers(0, len(deltas), size=(samples, len(deltas)))  # one resample per row
+        per[s] = deltas[picks].mean(axis=1)
+    overall = np.mean(np.stack(list(per.values())), axis=0)
     alpha = (1 - confidence) / 2
     bounds = {}
     for s, values in per.items():
-        values.sort()
-        bounds[s] = (_quantile(values, alpha), _quantile(values, 1 - alpha))
-    overall.sort()
-    return bounds, (_quantile(overall, alpha), _quantile(overall, 1 - alpha))
+        ordered = sorted(values.tolist())
+        bounds[s] = (_quantile(ordered, alpha), _quantile(ordered, 1 - alpha))
+    ordered = sorted(overall.tolist())
+    return bounds, (_quantile(ordered, alpha), _quantile(ordered, 1 - alpha))
 
 
 def compare_pairs(

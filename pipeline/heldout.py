@@ -56,15 +56,17 @@ def score_pair(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Greedy answers of the pair on the items, each trace's total under the contract (unscorable = 0)."""
+    from pipeline.clock import CLOCK
     from pipeline.pair import answer_items
     from pipeline.scoring import score_trace
 
     answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
     out: dict[str, list[float]] = {}
-    for specialist, traces in answered.items():
-        values = []
-        for (trace,) in traces:
-            result = score_trace(contract, trace, harness=pair.harness, specialist=specialist)
-            values.append(float(result.total or 0.0))
-        out[specialist] = values
+    with CLOCK.measure("score"):
+        for specialist, traces in answered.items():
+            values = []
+            for (trace,) in traces:
+                result = score_trace(contract, trace, harness=pair.harness, specialist=specialist)
+                values.append(float(result.total or 0.0))
+            out[specialist] = values
     return out

@@ -287,12 +287,13 @@ def score_experience(
     scored with the harness version it was served by (``harness`` is the fallback for traces that
     name none). ``progress(n)`` is called with the number of traces done after each batch.
     """
-    from sqlalchemy import delete, exists, func, insert, select
+    from sqlalchemy import delete, exists, func, select
 
     from pipeline.clock import CLOCK
     from pipeline.contract import ContractSpec as _Contract
     from pipeline.errors import NotFoundError
-    from pipeline.registry.models import ContractVersion, Experience, HarnessVersion, Score, utcnow
+    from pipeline.registry.models import ContractVersion, Experience, HarnessVersion, Score
+    from pipeline.registry.scores import ScoreRow, insert_scores
 
     row = session.get(ContractVersion, contract_version_id)
     if row is None:
@@ -363,20 +364,14 @@ def score_experience(
                 )
             new_rows = []
             for exp_id, res in zip(ids, scored, strict=True):
-                base = {
-                    "experience_id": exp_id,
-                    "contract_version_id": contract_version_id,
-                    "created_at": utcnow(),
-                }
                 for key, value in res.values.items():
-                    new_rows.append({**base, "scorer": key, "value": value, "details": res.details[key]})
-                new_rows.append({**base, "scorer": TOTAL, "value": res.total, "details": total_details(res)})
+                    new_rows.append(ScoreRow(exp_id, contract_version_id, key, value, res.details[key]))
+                new_rows.append(ScoreRow(exp_id, contract_version_id, TOTAL, res.total, total_details(res)))
                 result.scored += 1
                 result.errors += res.errors
                 result.unscorable += res.total is None
                 result.by_specialist[res.specialist] = result.by_specialist.get(res.specialist, 0) + 1
-            session.execute(insert(Score.__table__), new_rows)  # one Core executemany per batch
-            result.rows += len(new_rows)
+            result.rows += insert_scores(session=session, rows=new_rows)  # one executemany per batch
             session.commit()
             if progress is not None:
                 progress(len(rows))

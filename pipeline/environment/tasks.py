@@ -23,6 +23,7 @@ format. Training streams (``sample_prompts``, ``training_corpus``) only draw tra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -43,8 +44,11 @@ def split_of(a: int, b: int) -> str:
     return "heldout" if hashlib.sha256(f"{a}+{b}".encode()).digest()[0] < HELDOUT_PER_256 else "train"
 
 
-def _pairs(split: str) -> list[tuple[int, int]]:
-    return [(a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1) if split_of(a, b) == split]
+@functools.cache
+def _pairs(split: str) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (a, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1) if split_of(a, b) == split
+    )
 
 
 def is_heldout(task_id: str) -> bool:
@@ -125,7 +129,7 @@ def completion_trace(item: dict[str, Any], completion_text: str) -> dict[str, An
     }
 
 
-def _draw(rng: random.Random, pairs: list[tuple[int, int]], family: str) -> dict[str, Any]:
+def _draw(rng: random.Random, pairs: tuple[tuple[int, int], ...], family: str) -> dict[str, Any]:
     a, b = rng.choice(pairs)
     return make_item(family, a, b, variant=rng.randrange(12))
 

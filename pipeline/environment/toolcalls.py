@@ -23,6 +23,7 @@ from typing import Any
 
 _CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\((.*)\)\s*$", re.DOTALL)
 _INT = re.compile(r"^-?\d+$")
+_RESERVED = re.compile(r"[()=]")  # characters a compact argument value may not contain
 
 # OpenAI-style tool definitions served to the agent specialist.
 TOOLS: list[dict[str, Any]] = [
@@ -77,7 +78,7 @@ def parse_compact_call(text: str) -> dict[str, Any] | None:
         for part in body.split(","):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or not key.isidentifier() or key in arguments or any(c in value for c in "()="):
+            if not sep or not key.isidentifier() or key in arguments or _RESERVED.search(value):
                 return None
             arguments[key] = int(value) if _INT.match(value) else value
     return {"name": name, "arguments": arguments}

@@ -38,6 +38,7 @@ from pipeline.registry.models import (
     Score,
     TrainingDataset,
 )
+from pipeline.registry.scores import ScoreRow, insert_scores
 from pipeline.registry.versions import (
     audit,
     get_contract_version,
@@ -49,6 +50,7 @@ from pipeline.registry.versions import (
 
 __all__ = [
     "SOURCES",
+    "ScoreRow",
     "Adapter",
     "AuditLog",
     "Base",
@@ -76,6 +78,7 @@ __all__ = [
     "get_generation",
     "get_harness_version",
     "get_in_flight",
+    "insert_scores",
     "insert_traces",
     "list_generations",
     "make_engine",

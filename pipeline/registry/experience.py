@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, select
@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.registry.models import Experience, Quarantine, UTCDateTime, utcnow
+from pipeline.registry.models import Experience, Quarantine, UTCDateTime, sqlite_timestamp, utcnow
 from pipeline.registry.versions import audit
 
 # The experience table seen as plain text columns: bulk ingest passes JSON it has already serialised,
@@ -77,7 +77,7 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
     if session.get_bind().dialect.name == "sqlite":
         # Through the driver directly, inside the session's transaction: no per-value work in Python.
         # sqlite3's executemany reports the rows really inserted (conflicts excluded).
-        stamp = created.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+        stamp = sqlite_timestamp(created)
         cursor = session.connection().exec_driver_sql(
             SQLITE_INSERT,
             [

@@ -175,3 +175,45 @@ def test_one_champion_enforced_by_the_database(engine):
         row = s.get(Generation, g1.id)
         row.status = "promoted"  # bypassing promote_generation: the partial unique index refuses it
         s.flush()
+
+
+def test_scores_bulk_insert_round_trips(engine):
+    """insert_scores (the driver's executemany on SQLite, Core on PostgreSQL) stores what the ORM reads."""
+    from datetime import UTC, datetime
+
+    from pipeline.experience import trace_row, validate_trace
+    from pipeline.registry import Experience, Score, ScoreRow, insert_scores, insert_traces
+
+    trace = {"messages": [{"role": "user", "content": "é 2+2"}, {"role": "assistant", "content": "4"}]}
+    now = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    with session_scope(engine) as s:
+        c = register_contract(session=s, name="c", version="1", spec={"x": 1})
+        insert_traces(session=s, rows=[trace_row(validate_trace(trace), source="import")])
+        exp_id = s.scalar(select(Experience.id))
+        rows = [
+            ScoreRow(exp_id, c.id, "exact", 1.0, {"expected": "4", "note": "é", "nested": {"b": [1, 2]}}),
+            ScoreRow(exp_id, c.id, "total", None, {"specialist": "chat", "nan": float("nan")}),
+        ]
+        assert insert_scores(session=s, rows=rows, now=now) == 2
+        assert insert_scores(session=s, rows=[]) == 0
+    with session_scope(engine) as s:
+        got = {r.scorer: r for r in s.scalars(select(Score))}
+        assert got["exact"].value == 1.0 and got["total"].value is None
+        assert got["exact"].details == {"expected": "4", "note": "é", "nested": {"b": [1, 2]}}
+        assert (
+            got["total"].details["specialist"] == "chat" and got["total"].details["nan"] is None
+        )  # JSON has no NaN
+        assert got["exact"].created_at == now and got["exact"].experience_id == exp_id
+        assert s.scalar(select(Experience.messages).where(Experience.id == exp_id)) == trace["messages"]
+
+
+def test_json_documents_round_trip_beyond_what_orjson_handles():
+    from pipeline.registry.models import dump_json, load_json
+
+    doc = {"b": [1, 2**70], "é": "ü", "a": {"z": None, "y": 1.5}}  # beyond 64 bits: the standard encoder
+    text = dump_json(doc)
+    assert text == '{"a":{"y":1.5,"z":null},"b":[1,1180591620717411303424],"é":"ü"}'  # sorted, compact
+    assert load_json(text) == doc
+    assert dump_json({2: "turn two", 10: "turn ten"}) == '{"10":"turn ten","2":"turn two"}'  # int keys
+    assert dump_json({"x": float("inf")}) == '{"x":null}'
+    assert load_json('{"x":NaN}')["x"] != load_json('{"x":NaN}')["x"]  # rows written by json.dumps still load
