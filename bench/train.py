@@ -1,6 +1,6 @@
 """LoRA SFT throughput: our packed training step vs a plain Hugging Face ``Trainer`` with padding.
 
-Same tiny model, same LoRA (r=16, all linear layers), same curated data (environment traces of all four
+After an untimed three-step warm-up, same tiny model, same LoRA (r=16, all linear layers), same curated data (environment traces of all four
 families, 11-45 tokens, so padding to the longest in a batch wastes a lot), same batch size, learning
 rate and number of optimizer steps, measured side by side in one run. Prints non-padding tokens/s for
 both, the ratio (target >= 1.5x) and the loss of each trained adapter on the same evaluation batch
@@ -100,6 +100,9 @@ def main() -> None:
         write_dataset(traces, tmp / "data")
         config = TrainConfig(lr=args.lr, max_steps=args.steps, batch_size=args.batch_size, warmup_steps=10,
                              checkpoint_every=10**9)  # fmt: skip
+        # Warm the process up first (torch's first-call costs), so that neither side pays them for the other.
+        train_lora(base_model_dir=base_dir, dataset_dir=tmp / "data", output_dir=tmp / "warm-up",
+                   config=TrainConfig(max_steps=3, batch_size=args.batch_size, checkpoint_every=10**9))  # fmt: skip
         ours = train_lora(
             base_model_dir=base_dir, dataset_dir=tmp / "data", output_dir=tmp / "ours", config=config
         )

@@ -181,6 +181,18 @@ def build_tiny_model(
     return output_dir
 
 
+def tiny_model_built(model_dir: Path, config: TinyModelConfig) -> bool:
+    """Whether ``model_dir`` holds a finished build of exactly ``config`` (its ``build.json`` says so)."""
+    build_file = Path(model_dir) / "build.json"
+    if not build_file.is_file() or not (Path(model_dir) / "model.safetensors").is_file():
+        return False
+    try:
+        return json.loads(build_file.read_text()).get("config_hash") == config.hash()
+    except json.JSONDecodeError:
+        log.warning("ignoring unreadable %s; rebuilding", build_file)
+        return False
+
+
 def ensure_tiny_model(
     *,
     config: TinyModelConfig,
@@ -194,13 +206,8 @@ def ensure_tiny_model(
     environment's ``training_corpus(config.corpus_size, config.seed)``.
     """
     target = Path(cache_dir) / f"tiny-{config.hash()[:12]}"
-    build_file = target / "build.json"
-    if build_file.is_file():
-        try:
-            if json.loads(build_file.read_text()).get("config_hash") == config.hash():
-                return target
-        except json.JSONDecodeError:
-            log.warning("ignoring unreadable %s; rebuilding", build_file)
+    if tiny_model_built(target, config):
+        return target
     if corpus_texts is None:
         from pipeline.environment import training_corpus
 

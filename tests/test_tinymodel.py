@@ -72,6 +72,22 @@ def test_ensure_reuses_cache_and_rebuilds_on_config_change(model_dir, tmp_path_f
     assert other.hash() != SMALL.hash()
 
 
+def test_a_build_counts_only_for_its_own_config(model_dir, tmp_path):
+    import shutil
+
+    from pipeline.tinymodel import tiny_model_built
+
+    assert tiny_model_built(model_dir, SMALL)
+    assert not tiny_model_built(model_dir, TinyModelConfig(**{**SMALL.__dict__, "bootstrap_steps": 3}))
+    assert not tiny_model_built(tmp_path / "missing", SMALL)
+    broken = shutil.copytree(model_dir, tmp_path / "broken")
+    (broken / "build.json").write_text("{not json")
+    assert not tiny_model_built(broken, SMALL)  # rebuilt, not trusted
+    half = shutil.copytree(model_dir, tmp_path / "half")
+    (half / "model.safetensors").unlink()
+    assert not tiny_model_built(half, SMALL)
+
+
 def test_build_is_deterministic_and_refuses_heldout(tmp_path):
     config = TinyModelConfig(**{**SMALL.__dict__, "bootstrap_steps": 3})
     corpus = training_corpus(64, seed=0)

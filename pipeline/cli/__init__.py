@@ -8,7 +8,9 @@ one line on stderr with a non-zero exit; anything else is our bug and keeps its 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import warnings
 
 import click
 import typer
@@ -37,6 +39,12 @@ def _register_commands() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ratchet`` console script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The commands draw their own progress bars: no per-file "Loading weights" bars, no INFO line per
+    # Prefect task (set these variables to see them again).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # peft asks transformers 5 a question under its old name; nothing the user can act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     _register_commands()
     command = typer.main.get_command(app)
     try:
