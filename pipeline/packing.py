@@ -37,33 +37,38 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> tuple[list[int], list[int]]:
     """Token ids and labels for a conversation; labels are -100 except on assistant turns (content + end).
 
-    Relies on the template being prefix-stable (rendering ``messages[:i]`` is a prefix of rendering
-    ``messages[:i+1]``), which holds for our template and for common ones.
+    Two renders per assistant turn: the conversation before it with the generation prompt (everything
+    not yet encoded is one prompt segment, tokenized in one piece as at generation time), then the
+    conversation through it (the rest is the turn, trained on). Messages after the last assistant turn
+    carry no label and are left out. Relies on the template being prefix-stable (rendering
+    ``messages[:i]`` is a prefix of rendering ``messages[:i+1]``), which holds for ours and common ones.
     """
     msgs = model_messages(messages)
     ids: list[int] = []
     labels: list[int] = []
     done = ""
     for i, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            prefix = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-            _append(tokenizer, prefix[len(done) :], ids, labels, train=False)
-            done = prefix
+        if m["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
-        if not full.startswith(done):
+        if not prefix.startswith(done) or not full.startswith(prefix):
             raise ValueError("chat template is not prefix-stable; cannot locate assistant tokens")
-        _append(tokenizer, full[len(done) :], ids, labels, train=m["role"] == "assistant")
+        _append(tokenizer, prefix[len(done) :], ids, labels, train=False)
+        _append(tokenizer, full[len(prefix) :], ids, labels, train=True)
         done = full
+    if not done:  # no assistant turn: all prompt
+        _append(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False), ids, labels, train=False)
     return ids[:max_len], labels[:max_len]
 
 
 def _append(tokenizer: Any, text: str, ids: list[int], labels: list[int], *, train: bool) -> None:
     if not text:
         return
-    backend = getattr(
-        tokenizer, "backend_tokenizer", None
-    )  # fast tokenizers: the Rust one, ~5x less overhead
-    if backend is not None:
+    # Fast tokenizers: the Rust tokenizer itself (~5x less overhead per call), unless its saved state
+    # would truncate or pad (transformers' own call switches those off first).
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
         piece = backend.encode(text, add_special_tokens=False).ids
     else:
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -16,6 +16,7 @@ and the checkpoints are deleted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -306,11 +307,15 @@ def _merged_lora(model: Any) -> Iterator[int]:
         plain = (
             isinstance(module.lora_dropout[name], torch.nn.Identity)
             and not module.use_dora.get(name, False)
+            and name not in getattr(module, "lora_variant", {})  # DoRA, aLoRA, ... keep peft's forward
+            and not module.disable_adapters
             and module.lora_B[name].bias is None
             and not getattr(module, "fan_in_fan_out", False)
             and isinstance(base, torch.nn.Linear)
             and not base.weight.requires_grad
             and (base.bias is None or not base.bias.requires_grad)
+            # peft keeps adapters in float32 over a half-precision base and casts x; that path stays peft's
+            and base.weight.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype
         )
         if plain:
             module.forward = merged(module, name)
@@ -322,12 +327,14 @@ def _merged_lora(model: Any) -> Iterator[int]:
             del module.forward
 
 
+@functools.cache  # one class per process, not one per job
 def _lora_linear() -> Any:
     """``y = x (W + scale * B A)^T + bias`` as one autograd function (W, bias frozen).
 
     Forward: one matmul with the merged weight instead of peft's three (the base and two rank-thin
-    ones) plus a scale and an add. Backward: ``dx`` through the merged weight, and the gradients of A and
-    B through rank-thin products (``scale * dy^T (x A^T)`` and ``scale * (dy B)^T x``), which cost less
+    ones) plus a scale and an add. Backward: ``dx`` through the merged weight (formed again, not kept:
+    no extra copy of the weights lives between forward and backward), and the gradients of A and B
+    through rank-thin products (``scale * dy^T (x A^T)`` and ``scale * (dy B)^T x``), which cost less
     than forming the full ``dy^T x``."""
     import torch
     import torch.nn.functional as F
@@ -335,15 +342,16 @@ def _lora_linear() -> Any:
     class LoraLinearFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: Any, weight: Any, bias: Any, lora_a: Any, lora_b: Any, scale: float) -> Any:
-            merged = torch.addmm(weight, lora_b, lora_a, alpha=scale)
-            ctx.save_for_backward(x, merged, lora_a, lora_b)
+            ctx.save_for_backward(x, weight, lora_a, lora_b)
             ctx.scale = scale
-            return F.linear(x, merged, bias)
+            return F.linear(x, torch.addmm(weight, lora_b, lora_a, alpha=scale), bias)
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any) -> Any:
-            x, merged, lora_a, lora_b = ctx.saved_tensors
-            grad_x = grad_out @ merged if ctx.needs_input_grad[0] else None
+            x, weight, lora_a, lora_b = ctx.saved_tensors
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_out @ torch.addmm(weight, lora_b, lora_a, alpha=ctx.scale)
             flat_x, flat_g = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
             grad_a = grad_b = None
             if ctx.needs_input_grad[3]:
@@ -363,15 +371,22 @@ def _assistant_loss(model: Any, tensors: dict[str, Any]) -> Any:
     from pipeline.packing import IGNORE
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = getattr(inner, "get_decoder", None), inner.get_output_embeddings()
-    if decoder is None or head is None:
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    head = inner.get_output_embeddings()
+    config = getattr(inner, "config", None)
+    # Models that post-process logits (soft-capping, scaling) keep their own forward and loss.
+    processed = any(getattr(config, k, None) not in (None, 1, 1.0) for k in LOGIT_PROCESSING)
+    if decoder is None or decoder is inner or head is None or processed:
         return model(**tensors, use_cache=False).loss
-    hidden = decoder()(
+    hidden = decoder(
         input_ids=tensors["input_ids"], position_ids=tensors["position_ids"], use_cache=False
     ).last_hidden_state
     targets = tensors["labels"][:, 1:]
     keep = targets != IGNORE
-    return F.cross_entropy(head(hidden[:, :-1][keep]), targets[keep])
+    return F.cross_entropy(head(hidden[:, :-1][keep]).float(), targets[keep])
+
+
+LOGIT_PROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def _checkpoint(

@@ -104,6 +104,28 @@ def test_merged_lora_and_label_only_loss_equal_pefts_forward_and_hf_loss(base_di
     assert all(type(m).forward is m.forward.__func__ for m in model.modules() if hasattr(m, "lora_A"))
 
 
+def test_fast_path_only_where_it_is_exact(base_dir):
+    """Half-precision bases (peft keeps float32 adapters and casts) keep peft's forward; a tokenizer whose
+    saved state truncates still encodes whole conversations."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import ALL_LINEAR, _merged_lora
+
+    half = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16),
+        LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), task_type="CAUSAL_LM"),
+    )
+    with _merged_lora(half) as merged:
+        assert merged == 0
+    tok = build_tokenizer()
+    messages = training_corpus(1, seed=5)[0]["messages"]
+    whole = encode_chat(tok, messages, 128)
+    tok.backend_tokenizer.enable_truncation(max_length=2)
+    assert encode_chat(tok, messages, 128) == whole and len(whole[0]) > 2
+
+
 def _find(rows, ids):
     for r, row in enumerate(rows.tolist()):
         for c in range(len(row) - len(ids) + 1):

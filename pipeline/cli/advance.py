@@ -175,16 +175,14 @@ def ensure_base_model(lineage: str) -> None:
             raise RatchetError(f"lineage {lineage!r} has no champion: run `ratchet init` first")
         spec = ModelSpec.model_validate(champion.base_model.spec)
         path = Path(champion.base_model.path)
+    if (path / "config.json").is_file():  # never rebuilt in place: the lineage's adapters were trained on it
+        return
     if spec.base.tiny is None:
-        if (path / "config.json").is_file():
-            return
         raise RatchetError(f"base model directory {path} is missing (no config.json)")
     from pipeline.environment import training_corpus
-    from pipeline.tinymodel import build_tiny_model, tiny_model_built
+    from pipeline.tinymodel import build_tiny_model
 
     config = spec.base.tiny.to_tiny_model_config()
-    if tiny_model_built(path, config):  # the same check as the tests' and benches' cache
-        return
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

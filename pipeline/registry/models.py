@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,9 +43,9 @@ def utcnow() -> datetime:
 
 
 def dump_json(value: Any) -> str:
-    """The stored text of a JSON document: compact, keys sorted, non-ASCII kept as is, NaN and infinities
-    as ``null`` (JSON has none). orjson, with the standard encoder for what orjson refuses (integers
-    beyond 64 bits)."""
+    """The stored text of a JSON document: compact, keys sorted, non-ASCII kept as is. orjson (NaN and
+    infinities become ``null``: JSON has none), or the standard encoder for what orjson refuses (integers
+    beyond 64 bits; NaN is then written as Python writes it)."""
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
     except orjson.JSONEncodeError:
@@ -52,17 +53,28 @@ def dump_json(value: Any) -> str:
 
 
 def load_json(text: str) -> Any:
-    """Parse a stored JSON document (orjson, several times faster; the standard parser for what orjson
-    refuses but Python wrote, such as NaN or integers beyond 64 bits)."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
+    """Parse a stored JSON document: orjson, several times faster, unless the text holds a number of 19
+    or more digits (orjson would round an integer beyond 64 bits to a float) or something orjson refuses
+    but Python wrote (NaN); those go to the standard parser, which is exact."""
+    if _LONG_NUMBER.search(text) is None:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
+
+
+_LONG_NUMBER = re.compile(r"\d{19}")
 
 
 def sqlite_timestamp(value: datetime) -> str:
-    """A timestamp as SQLAlchemy stores ``DateTime`` on SQLite, for statements sent to the driver directly."""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    """A timestamp as ``UTCDateTime`` stores it on SQLite (UTC wall clock; naive means UTC), for
+    statements sent to the driver directly."""
+    return _as_utc(value).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _as_utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class JSONText(TypeDecorator):
@@ -85,9 +97,7 @@ class UTCDateTime(TypeDecorator):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        return value
+        return None if value is None else _as_utc(value)  # SQLite keeps the wall clock only: make it UTC
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is not None and value.tzinfo is None:

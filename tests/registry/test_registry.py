@@ -179,7 +179,7 @@ def test_one_champion_enforced_by_the_database(engine):
 
 def test_scores_bulk_insert_round_trips(engine):
     """insert_scores (the driver's executemany on SQLite, Core on PostgreSQL) stores what the ORM reads."""
-    from datetime import UTC, datetime
+    from datetime import UTC, datetime, timedelta, timezone
 
     from pipeline.experience import trace_row, validate_trace
     from pipeline.registry import Experience, Score, ScoreRow, insert_scores, insert_traces
@@ -204,16 +204,24 @@ def test_scores_bulk_insert_round_trips(engine):
             got["total"].details["specialist"] == "chat" and got["total"].details["nan"] is None
         )  # JSON has no NaN
         assert got["exact"].created_at == now and got["exact"].experience_id == exp_id
+    paris = datetime(2026, 1, 2, 4, 4, 5, tzinfo=timezone(timedelta(hours=1)))
+    with session_scope(engine) as s:  # the ORM path: any zone in, the same instant out, in UTC
+        s.add(
+            Score(experience_id=exp_id, contract_version_id=c.id, scorer="orm", value=0.5, created_at=paris)
+        )
+    with session_scope(engine) as s:
+        stamp = s.scalar(select(Score.created_at).where(Score.scorer == "orm"))
+        assert stamp == paris and stamp.utcoffset() == timedelta(0)
         assert s.scalar(select(Experience.messages).where(Experience.id == exp_id)) == trace["messages"]
 
 
 def test_json_documents_round_trip_beyond_what_orjson_handles():
     from pipeline.registry.models import dump_json, load_json
 
-    doc = {"b": [1, 2**70], "é": "ü", "a": {"z": None, "y": 1.5}}  # beyond 64 bits: the standard encoder
+    doc = {"b": [1, 2**70 + 1], "é": "ü", "a": {"z": None, "y": 1.5}}  # beyond 64 bits: standard json
     text = dump_json(doc)
-    assert text == '{"a":{"y":1.5,"z":null},"b":[1,1180591620717411303424],"é":"ü"}'  # sorted, compact
-    assert load_json(text) == doc
+    assert text == '{"a":{"y":1.5,"z":null},"b":[1,1180591620717411303425],"é":"ü"}'  # sorted, compact
+    assert load_json(text) == doc and load_json(text)["b"][1] == 2**70 + 1  # exact, not rounded
     assert dump_json({2: "turn two", 10: "turn ten"}) == '{"10":"turn ten","2":"turn two"}'  # int keys
     assert dump_json({"x": float("inf")}) == '{"x":null}'
     assert load_json('{"x":NaN}')["x"] != load_json('{"x":NaN}')["x"]  # rows written by json.dumps still load
