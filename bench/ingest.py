@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.experience import ingest_file, trace_row, validate_trace  # noqa: E402
 from pipeline.registry import make_engine, session_scope, upgrade_db  # noqa: E402
-from pipeline.registry.experience import SQLITE_INSERT  # noqa: E402
+from pipeline.registry.experience import SQLITE_INSERT, sqlite_params  # noqa: E402
 from pipeline.registry.models import utcnow  # noqa: E402
 
 
@@ -81,23 +81,7 @@ def bare_rate(db: Path, rows: list) -> float:
     conn = sqlite3.connect(db)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    created = utcnow().isoformat(" ")
-    params = [
-        (
-            r.content_hash,
-            r.completion_id,
-            r.messages,
-            r.metadata,
-            r.feedback,
-            r.routes,
-            r.specialist,
-            r.source,
-            r.generation_id,
-            r.harness_version_id,
-            created,
-        )
-        for r in rows
-    ]
+    params = sqlite_params(rows, utcnow())  # exactly what insert_traces sends
     sql = SQLITE_INSERT
     start = time.perf_counter()
     for i in range(0, len(params), 2000):

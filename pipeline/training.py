@@ -306,8 +306,7 @@ def _merged_lora(model: Any) -> Iterator[int]:
         base = module.base_layer
         plain = (
             isinstance(module.lora_dropout[name], torch.nn.Identity)
-            and not module.use_dora.get(name, False)
-            and name not in getattr(module, "lora_variant", {})  # DoRA, aLoRA, ... keep peft's forward
+            and name not in module.lora_variant  # DoRA, aLoRA, ... keep peft's forward
             and not module.disable_adapters
             and module.lora_B[name].bias is None
             and not getattr(module, "fan_in_fan_out", False)

@@ -60,6 +60,27 @@ class TraceRow:
     completion_id: str | None = None
 
 
+def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any, ...]]:
+    """The parameter tuples ``SQLITE_INSERT`` takes for ``rows``."""
+    stamp = sqlite_timestamp(created)
+    return [
+        (
+            r.content_hash,
+            r.completion_id,
+            r.messages,
+            r.metadata,
+            r.feedback,
+            r.routes,
+            r.specialist,
+            r.source,
+            r.generation_id,
+            r.harness_version_id,
+            stamp,
+        )
+        for r in rows
+    ]
+
+
 def _insert_ignoring_duplicates(session: Session):
     dialect = session.get_bind().dialect.name
     if dialect == "sqlite":
@@ -77,26 +98,7 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
     if session.get_bind().dialect.name == "sqlite":
         # Through the driver directly, inside the session's transaction: no per-value work in Python.
         # sqlite3's executemany reports the rows really inserted (conflicts excluded).
-        stamp = sqlite_timestamp(created)
-        cursor = session.connection().exec_driver_sql(
-            SQLITE_INSERT,
-            [
-                (
-                    r.content_hash,
-                    r.completion_id,
-                    r.messages,
-                    r.metadata,
-                    r.feedback,
-                    r.routes,
-                    r.specialist,
-                    r.source,
-                    r.generation_id,
-                    r.harness_version_id,
-                    stamp,
-                )
-                for r in rows
-            ],
-        )
+        cursor = session.connection().exec_driver_sql(SQLITE_INSERT, sqlite_params(rows, created))
         return max(cursor.rowcount, 0)
     params = [
         {

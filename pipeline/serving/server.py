@@ -29,20 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.serving.engines import EngineRequest, EngineResult
+from pipeline.serving.engines import EngineResult
 from pipeline.serving.protocol import (
     ApiError,
     ChatRequest,
     chunk,
     completion_body,
-    new_completion_id,
     parse_body,
     sse,
     usage_of,
 )
-from pipeline.serving.router import RouteDecision
-from pipeline.serving.served import ServeConfig, Served
-from pipeline.serving.turns import ServerState
+from pipeline.serving.served import ServeConfig
+from pipeline.serving.turns import ChatTurn, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -170,31 +168,25 @@ def create_app(config: ServeConfig) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
-        started = time.perf_counter()
-        served, decision, ereq, messages = await state.prepare(req)
-        cid, created = new_completion_id(), int(time.time())
-        meta = {
-            "specialist": decision.specialist,
-            "generation": served.number,
-            "route_reason": decision.reason,
-        }
-        headers = {"X-Ratchet-Specialist": decision.specialist, "X-Ratchet-Generation": str(served.number)}
+        turn = await state.prepare(req, started=time.perf_counter())
+        specialist, number = turn.decision.specialist, turn.served.number
+        meta = {"specialist": specialist, "generation": number, "route_reason": turn.decision.reason}
+        headers = {"X-Ratchet-Specialist": specialist, "X-Ratchet-Generation": str(number)}
         if req.stream:
-            gen = _stream(state, served, req, decision, ereq, messages, cid, created, meta, started)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        task = asyncio.get_running_loop().create_task(
-            state.complete_turn(served, req, decision, ereq, messages, cid, started)
-        )
-        state.track(cid + ":turn", task)
+            return StreamingResponse(
+                _stream(state, turn, meta), media_type="text/event-stream", headers=headers
+            )
+        task = asyncio.get_running_loop().create_task(state.complete_turn(turn))
+        state.track(turn.cid + ":turn", task)
         message, finish, result = await asyncio.shield(task)
         body = completion_body(
-            cid=cid,
+            cid=turn.cid,
             model=req.model,
             message=message,
             finish_reason=finish,
             usage=usage_of(result.prompt_tokens, result.completion_tokens),
             metadata=meta,
-            created=created,
+            created=turn.created,
         )
         return JSONResponse(body, headers=headers)
 
@@ -210,35 +202,24 @@ def _attach(db: Any, body: FeedbackRequest) -> None:
         )
 
 
-async def _stream(
-    state: ServerState,
-    served: Served,
-    req: ChatRequest,
-    decision: RouteDecision,
-    ereq: EngineRequest,
-    messages: list[dict],
-    cid: str,
-    created: int,
-    meta: dict,
-    started: float,
-) -> AsyncIterator[str]:
+async def _stream(state: ServerState, turn: ChatTurn, meta: dict) -> AsyncIterator[str]:
     """SSE chunks. Decoding and recording run in their own task, so a client that leaves mid-stream
     still leaves its turn in the experience."""
-    model = req.model
+    req, cid, created, model = turn.req, turn.cid, turn.created, turn.req.model
     buffer = bool(req.tool_names())  # a tool call is only known once the whole text is there
     queue: asyncio.Queue = asyncio.Queue()
 
     async def produce() -> None:
         try:
             result = None
-            async for item in served.engine.stream(ereq):
+            async for item in turn.served.engine.stream(turn.ereq):
                 if isinstance(item, EngineResult):
                     result = item
                 else:
                     queue.put_nowait(item)
             assert result is not None
-            message, finish = state.answer_message(served, req, result, cid)
-            state.finish_turn(served, req, decision, ereq, messages, message, result, cid, started)
+            message, finish = state.answer_message(turn, result)
+            state.finish_turn(turn, message, result)
             queue.put_nowait((message, finish, result))
         except Exception as exc:
             log.exception("stream %s failed", cid)

@@ -11,12 +11,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
-from pipeline.serving.protocol import ApiError, ChatRequest
+from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
 from pipeline.serving.recorder import ExperienceRecorder, served_trace_row
 from pipeline.serving.router import RouteDecision, route_turn, turn_from_messages
 from pipeline.serving.scheduler import MicroBatchScheduler
@@ -32,6 +33,20 @@ from pipeline.serving.views import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One request on its way through the server: what was asked, who answers, what the engine gets."""
+
+    req: ChatRequest
+    served: Served  # the generation this turn started on (kept even if a new champion is swapped in)
+    decision: RouteDecision
+    ereq: EngineRequest
+    messages: list[dict]  # the client's messages, as sent
+    cid: str
+    created: int  # unix seconds, as the OpenAI protocol reports it
+    started: float  # perf_counter at arrival, for the recorded latency
 
 
 class ServerState:
@@ -124,7 +139,8 @@ class ServerState:
         except RatchetError:
             return None
 
-    async def prepare(self, req: ChatRequest) -> tuple[Served, RouteDecision, EngineRequest, list[dict]]:
+    async def prepare(self, req: ChatRequest, *, started: float) -> ChatTurn:
+        """Route the request and build the specialist's view of the conversation."""
         served = self.current
         assert served is not None
         messages = req.plain_messages()
@@ -167,37 +183,26 @@ class ServerState:
             seed=req.seed,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tool_names() else None,
         )
-        return served, decision, ereq, messages
+        return ChatTurn(req, served, decision, ereq, messages, new_completion_id(), int(time.time()), started)
 
-    def answer_message(
-        self, served: Served, req: ChatRequest, result: EngineResult, cid: str
-    ) -> tuple[dict, str]:
-        names = req.tool_names()
+    def answer_message(self, turn: ChatTurn, result: EngineResult) -> tuple[dict, str]:
+        names = turn.req.tool_names()
         calls = None
         if names and result.tool_calls:
             calls = result.tool_calls
         elif names:
-            parsed = parse_tool_calls(result.text, names, served.harness.tool_call_format)
-            calls = to_openai(parsed, seed_text=cid) if parsed else None
+            parsed = parse_tool_calls(result.text, names, turn.served.harness.tool_call_format)
+            calls = to_openai(parsed, seed_text=turn.cid) if parsed else None
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": result.text}, result.finish_reason
 
-    async def complete_turn(
-        self,
-        served: Served,
-        req: ChatRequest,
-        decision: RouteDecision,
-        ereq: EngineRequest,
-        messages: list[dict],
-        cid: str,
-        started: float,
-    ) -> tuple[dict, str, EngineResult]:
+    async def complete_turn(self, turn: ChatTurn) -> tuple[dict, str, EngineResult]:
         """Decode, build the reply and record the turn (run as its own task: a client that disconnects
         does not cancel it)."""
-        result = await complete(served.engine, ereq)
-        message, finish = self.answer_message(served, req, result, cid)
-        self.finish_turn(served, req, decision, ereq, messages, message, result, cid, started)
+        result = await complete(turn.served.engine, turn.ereq)
+        message, finish = self.answer_message(turn, result)
+        self.finish_turn(turn, message, result)
         return message, finish, result
 
     def track(self, key: str, task: asyncio.Task) -> None:
@@ -205,43 +210,22 @@ class ServerState:
         self.pending[key] = task
         task.add_done_callback(lambda _t: self.pending.pop(key, None))
 
-    def finish_turn(
-        self,
-        served: Served,
-        req: ChatRequest,
-        decision: RouteDecision,
-        ereq: EngineRequest,
-        messages: list[dict],
-        message: dict,
-        result: EngineResult,
-        cid: str,
-        started: float,
-    ) -> None:
-        latency_ms = round((time.perf_counter() - started) * 1000, 2)
-        self.memory.remember(message, TurnRecord(decision.specialist, extract_summary(message)))
+    def finish_turn(self, turn: ChatTurn, message: dict, result: EngineResult) -> None:
+        latency_ms = round((time.perf_counter() - turn.started) * 1000, 2)
+        self.memory.remember(message, TurnRecord(turn.decision.specialist, extract_summary(message)))
         task = asyncio.get_running_loop().create_task(
-            self._summarize_and_record(
-                served, req, decision, ereq, messages, message, result, cid, latency_ms
-            )
+            self._summarize_and_record(turn, message, result, latency_ms)
         )
-        self.track(cid, task)
+        self.track(turn.cid, task)
 
     async def _summarize_and_record(
-        self,
-        served: Served,
-        req: ChatRequest,
-        decision: RouteDecision,
-        ereq: EngineRequest,
-        messages: list[dict],
-        message: dict,
-        result: EngineResult,
-        cid: str,
-        latency_ms: float,
+        self, turn: ChatTurn, message: dict, result: EngineResult, latency_ms: float
     ) -> None:
+        served, decision, messages, cid = turn.served, turn.decision, turn.messages, turn.cid
         summary = extract_summary(message)
         if served.harness.context.other_specialists == "summary" and not message.get("tool_calls"):
             try:
-                summary = await self._summarize(served, ereq, message) or summary
+                summary = await self._summarize(served, turn.ereq, message) or summary
             except Exception:
                 log.exception("summary of %s failed; keeping the extractive one", cid)
         self.memory.remember(message, TurnRecord(decision.specialist, summary))
@@ -265,7 +249,7 @@ class ServerState:
             "route_method": decision.method,
             "route_scores": decision.scores,
             "finish_reason": result.finish_reason,
-            "model": req.model,
+            "model": turn.req.model,
             "engine": self.config.engine,
             "summaries": summaries,
         }
