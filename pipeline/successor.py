@@ -28,7 +28,6 @@ def train_step(
     """Train one LoRA per specialist with a dataset, continuing the parent's adapter; record each in the registry."""
     import json as _json
 
-    import pipeline
     from pipeline.clock import CLOCK
     from pipeline.modelspec import ModelSpec
     from pipeline.registry import (
@@ -64,7 +63,6 @@ def train_step(
             "harness_sha256": gen.harness_version.content_hash,
             "base_model": gen.base_model.name,
             "base_model_sha256": gen.base_model.content_hash,
-            "code_version": pipeline.__version__,
         }
         trained = dict((gen.state or {}).get("trained", {}))
     out_dir = artifacts_for(config.lineage, number) / "adapters"

@@ -28,6 +28,7 @@ from pipeline.registry import (
     list_generations,
     session_scope,
 )
+from pipeline.training import git_describe
 
 FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2,
                      validation_items=6, seed=1)  # fmt: skip
@@ -67,6 +68,7 @@ def test_one_generation_end_to_end(lineage):
         assert file_sha256(path / "adapter_model.safetensors") == adapter.sha256
         record = json.loads((path / "lineage.json").read_text())
         assert record["parent_generation"] == 0 and record["contract_sha256"] and record["dataset_sha256"]
+        assert record["code_version"] == git_describe()  # the commit that trained it, not a package version
         assert adapter.mlflow_run_id and adapter.mlflow_model_version
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lineage_base(lineage)), path)
     client = tracker.client
