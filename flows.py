@@ -130,7 +130,8 @@ def advance_generation(generations: int = 1, config=None, tracker=None, progress
 
     Each step runs as a Prefect task; a crashed run continues the same candidate when started again.
     """
-    from pipeline.advance import AdvanceConfig, advance_once
+    from pipeline.advance import advance_once
+    from pipeline.candidate import AdvanceConfig
 
     config = config or AdvanceConfig()
     step = _step_task()

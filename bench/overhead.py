@@ -36,7 +36,7 @@ def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-    from pipeline.advance import AdvanceConfig
+    from pipeline.candidate import AdvanceConfig
     from pipeline.cli.advance import ensure_base_model, make_tracker
     from pipeline.clock import CLOCK
     from pipeline.lineage import init_lineage
@@ -100,7 +100,7 @@ def warm_up_libraries() -> None:
     import mlflow  # noqa: F401
     import peft  # noqa: F401
 
-    from pipeline.generation import load_model
+    from pipeline.decoding import load_model
     from pipeline.registry import get_champion, get_engine, session_scope
 
     with session_scope(get_engine()) as session:

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.decoding import load_model
 from pipeline.environment import FAMILIES, collect, evaluate, heldout_suite, sample_prompts
-from pipeline.generation import load_model
 from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 from pipeline.training import TrainConfig, train_lora, write_dataset
 

@@ -25,7 +25,7 @@ def eval_loss(base_dir: Path, adapter_dir: Path, examples: list, pad_id: int) ->
     """Mean assistant-token loss of base + adapter on ``examples`` (packed, no cross-attention)."""
     import torch
 
-    from pipeline.generation import load_model
+    from pipeline.decoding import load_model
     from pipeline.packing import packed_tensors
 
     model, _ = load_model(base_dir, adapter_dir)
@@ -40,7 +40,7 @@ def run_baseline(base_dir: Path, examples: list, tokenizer, args, out: Path) -> 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    from pipeline.generation import attn_implementation_for
+    from pipeline.decoding import attn_implementation_for
     from pipeline.training import ALL_LINEAR
 
     tokenizer.padding_side = "right"

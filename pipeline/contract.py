@@ -284,3 +284,8 @@ def verify_suites(contract: ContractSpec, contract_path: str | Path) -> list[Pat
             )
         out.append(path)
     return out
+
+
+def stored_contract(spec: dict[str, Any]) -> ContractSpec:
+    """A contract as the registry stores it (its validated JSON), read back."""
+    return ContractSpec.model_validate(spec)

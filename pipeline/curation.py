@@ -12,9 +12,15 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.contract import ContractSpec
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.candidate import AdvanceConfig, Progress
+    from pipeline.registry import Generation
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +146,7 @@ def select_examples(
 
 
 def load_candidates(
-    *, session: Any, contract_version_id: int, lineage: str | None = None, min_score: float | None = None
+    *, session: Session, contract_version_id: int, lineage: str | None = None, min_score: float | None = None
 ) -> list[Candidate]:
     """Scored traces (total under the contract version), optionally limited to one lineage's generations and
     to those at or above ``min_score`` (traces with feedback are always kept: they may carry a correction)."""
@@ -203,3 +209,67 @@ def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     ]
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
     return dataset_sha256(rows), len(rows)
+
+
+def lineage_candidates(session: Session, gen: Generation, contract: ContractSpec) -> list[Candidate]:
+    """The lineage's scored experience at or above the contract's selection threshold (or with feedback)."""
+    return load_candidates(
+        session=session,
+        contract_version_id=gen.contract_version_id,
+        lineage=gen.lineage,
+        min_score=contract.selection.min_score,
+    )
+
+
+def curate_step(
+    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
+) -> dict[str, Any]:
+    """One SFT dataset per specialist from all scored experience of the lineage (accumulated), held-out excluded."""
+    from sqlalchemy import delete
+
+    from pipeline.candidate import artifacts_for, contract_of, load_generation, mark_step
+    from pipeline.harness import HarnessSpec
+    from pipeline.heldout import resolve_suites
+    from pipeline.prompting import render_messages
+    from pipeline.registry import TrainingDataset, get_engine, session_scope
+
+    engine = get_engine()
+    with session_scope(engine) as session:
+        gen = load_generation(session, generation_id)
+        contract = contract_of(gen)
+        harness = HarnessSpec.model_validate(gen.harness_version.spec)
+        heldout = {
+            prompt_key(item["messages"]) for items in resolve_suites(contract).values() for item in items
+        }
+        candidates = lineage_candidates(session, gen, contract)
+        specialists = [a.specialist for a in gen.adapters]
+        number = gen.number
+    selected = select_examples(
+        candidates, contract=contract, heldout_prompts=heldout, specialists=specialists
+    )
+    out_dir = artifacts_for(config.lineage, number) / "datasets"
+    datasets: dict[str, Any] = {}
+    with session_scope(engine) as session:
+        session.execute(delete(TrainingDataset).where(TrainingDataset.generation_id == generation_id))
+        for specialist in specialists:
+            examples = selected.examples.get(specialist, [])
+            if len(examples) < config.min_examples:
+                datasets[specialist] = {"rows": len(examples), "skipped": f"fewer than {config.min_examples}"}
+                continue
+            for ex in examples:  # train on what the model sees under the harness
+                *context, answer = ex["messages"]
+                ex["messages"] = [*render_messages(harness, specialist, context), answer]
+            digest, rows = save_dataset(examples, out_dir / specialist)
+            session.add(
+                TrainingDataset(
+                    generation_id=generation_id,
+                    specialist=specialist,
+                    path=str(out_dir / specialist),
+                    sha256=digest,
+                    num_rows=rows,
+                )
+            )
+            datasets[specialist] = {"rows": rows, "sha256": digest, "path": str(out_dir / specialist)}
+        outcome = {"datasets": datasets, "dropped": selected.dropped}
+        mark_step(session, load_generation(session, generation_id), "curate", outcome)
+    return outcome

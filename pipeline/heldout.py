@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,34 +38,3 @@ def resolve_suites(contract: Any, *, contract_path: Path | None = None) -> dict[
             item.setdefault("metadata", {})["split"] = "heldout"
         suites.setdefault(suite.specialist, []).extend(items)
     return suites
-
-
-def validation_items(specialists: list[str], *, n: int, seed: int) -> dict[str, list[dict[str, Any]]]:
-    """Training-split items for choosing among harness variants (never the held-out suites)."""
-    from pipeline.environment import sample_prompts
-
-    return {s: sample_prompts(s, n, seed) for s in specialists}
-
-
-def score_pair(
-    pair: Any,
-    items: dict[str, list[dict[str, Any]]],
-    contract: Any,
-    *,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[float]]:
-    """Greedy answers of the pair on the items, each trace's total under the contract (unscorable = 0)."""
-    from pipeline.clock import CLOCK
-    from pipeline.pair import answer_items
-    from pipeline.scoring import score_trace
-
-    answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
-    out: dict[str, list[float]] = {}
-    with CLOCK.measure("score"):
-        for specialist, traces in answered.items():
-            values = []
-            for (trace,) in traces:
-                result = score_trace(contract, trace, harness=pair.harness, specialist=specialist)
-                values.append(float(result.total or 0.0))
-            out[specialist] = values
-    return out

@@ -48,8 +48,9 @@ def init_lineage(
     Running it again with the same files is a no-op; with different files for an existing lineage it is
     refused (start another lineage with ``--lineage``).
     """
+    from pipeline.compatibility import require_compatible
     from pipeline.contract import load_contract
-    from pipeline.harness import load_harness, require_compatible
+    from pipeline.harness import load_harness
     from pipeline.modelspec import load_model_spec, model_spec_hash
     from pipeline.registry import (
         create_generation,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.environment.toolcalls import compact_from_openai
+from pipeline.toolcalls import compact_from_openai
 
 IGNORE = -100
 

@@ -14,9 +14,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from pipeline.harness import HarnessSpec
+    from pipeline.registry import Generation
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +33,10 @@ class PairSpec:
 
     base_dir: Path
     adapters: dict[str, Path | None]
-    harness: Any  # HarnessSpec
+    harness: HarnessSpec
 
 
-def pair_for_generation(generation: Any) -> PairSpec:
+def pair_for_generation(generation: Generation) -> PairSpec:
     """The pair a registry ``Generation`` row describes (adapter files are checked against their sha256)."""
     from pipeline.harness import HarnessSpec
     from pipeline.spec import file_sha256
@@ -62,7 +68,7 @@ _MODELS_LOCK = threading.Lock()
 SMALL_MODEL_PARAMETERS = 50_000_000  # below this, keep several merged copies in memory
 
 
-def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[Any, Any]:
+def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` for a base + adapter, merged for decoding, kept for reuse in this process.
 
     Keyed by the adapter's weights file identity (path, size, mtime), so a retrained adapter is reloaded.
@@ -93,21 +99,12 @@ def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[Any, Any]:
         return found
 
 
-def _load_base(base_dir: Path) -> tuple[Any, Any]:
-    from pipeline.generation import load_model
+def _load_base(base_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from pipeline.decoding import load_model
 
     base = load_model(base_dir)
     _MODELS[(str(Path(base_dir).resolve()), None)] = base
     return base
-
-
-def render_conversation(
-    harness: Any, specialist: str, messages: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """The messages the model is given under the harness (system prompt, exemplars, trimmed context)."""
-    from pipeline.prompting import render_messages
-
-    return render_messages(harness, specialist, messages)
 
 
 def answer_items(
@@ -124,10 +121,10 @@ def answer_items(
     ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness).
     """
     from pipeline.clock import CLOCK
+    from pipeline.decoding import SamplingConfig, generate
     from pipeline.environment import completion_trace
-    from pipeline.generation import SamplingConfig, generate
     from pipeline.packing import render_prompt
-    from pipeline.prompting import decoding_for
+    from pipeline.prompting import decoding_for, render_messages
 
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
     done = 0
@@ -150,7 +147,7 @@ def answer_items(
         )
         model, tokenizer = cached_model(pair.base_dir, pair.adapters[specialist])
         prompts = [
-            render_prompt(tokenizer, render_conversation(pair.harness, specialist, it["messages"]))
+            render_prompt(tokenizer, render_messages(pair.harness, specialist, it["messages"]))
             for it in items
         ]
         base_done = done

@@ -29,6 +29,7 @@ from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams, HarnessSpec, SpecialistHarness
+from pipeline.toolcalls import call_text
 
 # Per message: a role marker and an end marker (the tiny model's template uses one token for each).
 MESSAGE_OVERHEAD_CHARS = 2
@@ -63,13 +64,6 @@ def specialist_harness(harness: HarnessSpec, specialist: str) -> SpecialistHarne
 def decoding_for(harness: HarnessSpec, specialist: str) -> DecodingParams:
     """The specialist's decoding parameters (a copy: callers may adjust it)."""
     return specialist_harness(harness, specialist).decoding.model_copy(deep=True)
-
-
-def call_text(name: str, arguments: dict[str, Any], fmt: str) -> str:
-    """A tool call as the model writes it in format ``fmt`` (``compact``: ``name(k=v,...)``, else JSON)."""
-    if fmt == "compact":
-        return f"{name}(" + ",".join(f"{k}={v}" for k, v in arguments.items()) + ")"
-    return json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
 
 
 def _arguments(raw: Any) -> dict[str, Any]:

@@ -15,11 +15,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from statistics import mean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.contract import ContractSpec
 from pipeline.harness import HarnessSpec
 from pipeline.scorers import TurnContext, called_tool, run_scorer
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.candidate import AdvanceConfig, Progress
 
 log = logging.getLogger(__name__)
 TOTAL = "total"
@@ -270,7 +275,7 @@ class ScoreRunResult:
 
 def score_experience(
     *,
-    session: Any,
+    session: Session,
     contract_version_id: int,
     batch_size: int = 500,
     rescore: bool = False,
@@ -376,3 +381,29 @@ def score_experience(
             if progress is not None:
                 progress(len(rows))
     return result
+
+
+def score_step(
+    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Score all experience not yet scored under the candidate's contract version."""
+    from pipeline.candidate import load_generation, mark_step
+    from pipeline.registry import get_engine, session_scope
+
+    engine = get_engine()
+    with session_scope(engine) as session:
+        contract_version_id = load_generation(session, generation_id).contract_version_id
+    done = 0
+
+    def report(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("score", done, 0)
+
+    with session_scope(engine) as session:
+        result = score_experience(session=session, contract_version_id=contract_version_id, progress=report)
+    outcome = {"scored": result.scored, "errors": result.errors, "by_specialist": result.by_specialist}
+    with session_scope(engine) as session:
+        mark_step(session, load_generation(session, generation_id), "score", outcome)
+    return outcome

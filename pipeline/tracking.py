@@ -150,3 +150,8 @@ class MLflowTracker:
     def alias_version(self, name: str, alias: str) -> str:
         """The version an alias points to (raises mlflow's error when unset)."""
         return str(self.client.get_model_version_by_alias(name, alias).version)
+
+
+def registered_model_name(lineage: str, specialist: str) -> str:
+    """The MLflow registered model holding a lineage's adapters for one specialist."""
+    return f"ratchet-{lineage}-{specialist}"

@@ -9,14 +9,8 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from pipeline.advance import (
-    STEPS,
-    AdvanceConfig,
-    advance_once,
-    begin_candidate,
-    done_steps,
-    release_candidate,
-)
+from pipeline.advance import advance_once, begin_candidate, release_candidate
+from pipeline.candidate import STEPS, AdvanceConfig, done_steps
 from pipeline.errors import ConflictError
 from pipeline.registry import (
     Adapter,
@@ -95,7 +89,7 @@ def _generation_id(number):
 
 
 def test_crash_then_resume_continues_the_same_candidate(lineage, monkeypatch):
-    import pipeline.successor as successor
+    import pipeline.codesign as successor
 
     real = successor.codesign_step
     calls = {"n": 0}
@@ -135,8 +129,9 @@ def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.advance import load_generation, mark_step
-    from pipeline.promotion import decide_step, evaluate_step
+    from pipeline.candidate import load_generation, mark_step
+    from pipeline.evaluation import evaluate_step
+    from pipeline.promotion import decide_step
     from pipeline.registry import create_adapter, set_generation_adapter
     from pipeline.spec import file_sha256
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pipeline.codesign import HarnessVariant, parent_variant, propose_variants, variant_label
+from pipeline.compatibility import check_harness
 from pipeline.contract import load_contract
 from pipeline.environment.tasks import (
     FAMILIES,
@@ -18,7 +19,7 @@ from pipeline.environment.tasks import (
     sample_prompts,
 )
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec, check_harness, load_harness
+from pipeline.harness import HarnessSpec, load_harness
 from pipeline.prompting import prompt_budget_chars, prompt_chars, render_messages
 
 ROOT = Path(__file__).resolve().parents[1]

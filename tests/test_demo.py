@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.advance import AdvanceConfig, advance_once
+from pipeline.advance import advance_once
+from pipeline.candidate import AdvanceConfig
 from pipeline.cli.advance import ensure_base_model, lineage_rows
 from pipeline.lineage import init_lineage
 

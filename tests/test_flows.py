@@ -60,7 +60,7 @@ def test_advance_generation_flow(prefect_server, lineage):
     from prefect.client.orchestration import get_client
 
     from flows import advance_generation
-    from pipeline.advance import STEPS, AdvanceConfig
+    from pipeline.candidate import STEPS, AdvanceConfig
     from pipeline.registry import list_generations
 
     config = AdvanceConfig(

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.compatibility import check_harness, require_compatible
 from pipeline.contract import ContractSpec, load_contract
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec, check_harness, load_harness, require_compatible, template_slots
+from pipeline.harness import HarnessSpec, load_harness, template_slots
 from pipeline.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.contract import lint_file
+from pipeline.compatibility import check_harness
 from pipeline.contract import load_contract
-from pipeline.harness import check_harness, load_harness
+from pipeline.harness import load_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"contracts": "contract", "harnesses": "harness", "models": "model"}

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from pipeline.decoding import load_model
 from pipeline.environment import FAMILIES, collect, evaluate, heldout_suite, sample_prompts, training_corpus
 from pipeline.errors import RatchetError
-from pipeline.generation import load_model
 from pipeline.packing import IGNORE, encode_chat, packed_tensors
 from pipeline.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
 from pipeline.training import TrainConfig, train_lora, write_dataset
@@ -72,7 +72,8 @@ def test_merged_lora_and_label_only_loss_equal_pefts_forward_and_hf_loss(base_di
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training import ALL_LINEAR, _assistant_loss, _merged_lora
+    from pipeline.training import ALL_LINEAR
+    from pipeline.training.kernels import assistant_loss, merged_lora
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -88,9 +89,9 @@ def test_merged_lora_and_label_only_loss_equal_pefts_forward_and_hf_loss(base_di
     def loss_and_grads(fast):
         model.zero_grad()
         if fast:
-            with _merged_lora(model) as merged:
+            with merged_lora(model) as merged:
                 assert merged == 2 * len(ALL_LINEAR)  # every LoRA linear of both layers
-                loss = _assistant_loss(model, batch)
+                loss = assistant_loss(model, batch)
         else:
             loss = model(**batch, use_cache=False).loss
         loss.backward()
@@ -111,13 +112,14 @@ def test_fast_path_only_where_it_is_exact(base_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training import ALL_LINEAR, _merged_lora
+    from pipeline.training import ALL_LINEAR
+    from pipeline.training.kernels import merged_lora
 
     half = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16),
         LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), task_type="CAUSAL_LM"),
     )
-    with _merged_lora(half) as merged:
+    with merged_lora(half) as merged:
         assert merged == 0
     tok = build_tokenizer()
     messages = training_corpus(1, seed=5)[0]["messages"]

@@ -22,13 +22,9 @@ try:  # typer >= 0.20 ships its own copy of click; its usage errors do not deriv
 except ImportError:  # pragma: no cover - older typer uses click itself
     _TyperClickException = click.ClickException
 
-app = typer.Typer(
-    name="ratchet",
-    help="Ratchet: recursive self-improvement of model-harness pairs under an HCP contract.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+from pipeline.cli.app import app  # noqa: E402 - the commands below add themselves to it
+
+__all__ = ["app", "main"]
 
 
 def _register_commands() -> None:

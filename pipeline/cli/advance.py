@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.cli import app
+from pipeline.cli.app import app
 from pipeline.errors import RatchetError
 
 LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
@@ -143,7 +143,7 @@ def advance_cmd(
     seed: Annotated[int, typer.Option(help="Seed of sampling, data order and initialisation.")] = 0,
 ) -> None:
     """Build the next generation(s) from the champion; promote each only if it beats its parent."""
-    from pipeline.advance import AdvanceConfig
+    from pipeline.candidate import AdvanceConfig
 
     config = AdvanceConfig(
         lineage=lineage,
@@ -224,7 +224,7 @@ def promote_cmd(
 
 def _move_aliases(session: Any, gen: Any, lineage: str) -> None:
     """Point each specialist's MLflow `champion` alias at this generation's adapter (or remove it)."""
-    from pipeline.successor import registered_model_name
+    from pipeline.tracking import registered_model_name
 
     tracker = make_tracker()
     for slot in gen.adapters:
@@ -258,7 +258,7 @@ def demo_cmd(
     """The whole loop on embedded defaults: build the tiny base, register generation 0, advance, show the lineage."""
     import time
 
-    from pipeline.advance import AdvanceConfig
+    from pipeline.candidate import AdvanceConfig
     from pipeline.cli.core import REPO_ROOT as root
     from pipeline.lineage import init_lineage
     from pipeline.settings import get_settings

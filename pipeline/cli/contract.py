@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from pipeline.cli import app
+from pipeline.cli.app import app
 
 contract_app = typer.Typer(
     help="HCP contracts, harnesses and model specs: lint, JSON Schemas, dry-run scoring.",
@@ -44,9 +44,9 @@ def detect_kind(path: Path, data: Any) -> str | None:
 
 def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[list[str], Any, str | None]:
     """Lint one file: (issues as printable lines, the loaded spec or None, the kind)."""
+    from pipeline.compatibility import check_harness
     from pipeline.contract import verify_suites
     from pipeline.errors import RatchetError
-    from pipeline.harness import check_harness
     from pipeline.spec import SpecError, SpecIssue, parse_yaml, validate_spec_text
 
     if not path.is_file():

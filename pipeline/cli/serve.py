@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli import app
+from pipeline.cli.app import app
 from pipeline.errors import RatchetError
 
 

@@ -1,5 +1,5 @@
 """Running a model in the environment: ``collect`` experience (sample, verify, keep) and ``evaluate``
-greedily on a held-out suite. Both take a loaded ``(model, tokenizer)`` (see ``generation.load_model``)."""
+greedily on a held-out suite. Both take a loaded ``(model, tokenizer)`` (see ``decoding.load_model``)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def collect(
     """Sample ``num_samples`` completions per training item, verify each, keep the verified ones as traces
     (``metadata.verified = True``; ``dedupe`` keeps one per distinct (item, completion)). Refuses
     held-out items: they never enter a training stream."""
-    from pipeline.generation import SamplingConfig, generate
+    from pipeline.decoding import SamplingConfig, generate
     from pipeline.packing import render_prompt
 
     if any(item["metadata"].get("split") == "heldout" for item in items):
@@ -100,7 +100,7 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
     """Greedy accuracy of the model on ``suite`` (held-out items), by the environment's verifiers."""
-    from pipeline.generation import SamplingConfig, generate
+    from pipeline.decoding import SamplingConfig, generate
     from pipeline.packing import render_prompt
 
     config = SamplingConfig(

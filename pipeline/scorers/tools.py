@@ -13,17 +13,7 @@ from pipeline.scorers.base import (
     schema_validator,
 )
 from pipeline.scorers.config import ToolCallScorer
-
-
-def compact_calls(content: str) -> list[dict[str, Any]]:
-    """The calls of a content made only of compact calls ``name(key=value,...)`` (one per line), else []."""
-    from pipeline.environment.toolcalls import parse_compact_call
-
-    lines = [line for line in content.strip().splitlines() if line.strip()]
-    calls = [parse_compact_call(line) for line in lines]
-    if not calls or any(c is None for c in calls):
-        return []
-    return calls  # type: ignore[return-value]
+from pipeline.toolcalls import parse_compact_calls
 
 
 def extract_calls(
@@ -42,9 +32,9 @@ def extract_calls(
     if calls or not isinstance(content, str):
         return calls
     if accept_content_compact and "(" in content:
-        calls = compact_calls(content)
-        if calls:
-            return calls
+        compact = parse_compact_calls(content)
+        if compact:
+            return compact
     if not accept_content_json or "{" not in content:
         return []
     try:

@@ -21,7 +21,7 @@ from pipeline.serving.router import (
     signal_scores,
     turn_from_messages,
 )
-from pipeline.serving.toolcalls import parse_tool_calls, register_format, render_tool_calls, to_openai
+from pipeline.toolcalls import parse_tool_calls, register_format, render_tool_calls, to_openai
 
 __all__ = [
     "RouteDecision",

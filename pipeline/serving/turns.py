@@ -22,7 +22,6 @@ from pipeline.serving.recorder import ExperienceRecorder, served_trace_row
 from pipeline.serving.router import RouteDecision, route_turn, turn_from_messages
 from pipeline.serving.scheduler import MicroBatchScheduler
 from pipeline.serving.served import ServeConfig, Served, champion_id, load_served, plan_generation
-from pipeline.serving.toolcalls import parse_tool_calls, to_openai
 from pipeline.serving.views import (
     ContextOverflowError,
     TurnMemory,
@@ -31,6 +30,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
+from pipeline.toolcalls import parse_tool_calls, to_openai
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pipeline.errors import RatchetError
 from pipeline.harness import HarnessSpec
 from pipeline.prompting import exemplar_messages, prompt_chars
 from pipeline.serving.router import message_text
-from pipeline.serving.toolcalls import from_openai, render_tool_calls
+from pipeline.toolcalls import from_openai, render_tool_calls
 
 SUMMARY_INSTRUCTION = "Summarize your last reply in one short sentence."
 SUMMARY_CHARS = 160

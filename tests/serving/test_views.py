@@ -7,7 +7,6 @@ import json
 import pytest
 
 from pipeline.harness import HarnessSpec
-from pipeline.serving.toolcalls import from_openai, parse_tool_calls, render_tool_calls, to_openai
 from pipeline.serving.views import (
     ContextOverflowError,
     TurnMemory,
@@ -16,6 +15,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
+from pipeline.toolcalls import from_openai, parse_tool_calls, render_tool_calls, to_openai
 from serving.support import HARNESS
 
 

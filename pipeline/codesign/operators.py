@@ -34,25 +34,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipeline.compatibility import check_harness, require_compatible
 from pipeline.contract import ContractSpec
-from pipeline.harness import (
-    Exemplar,
-    ExemplarMessage,
-    HarnessSpec,
-    ToolCallSpec,
-    check_harness,
-    compact_value_ok,
-    require_compatible,
-    template_slots,
-)
+from pipeline.harness import Exemplar, ExemplarMessage, HarnessSpec, ToolCallSpec, template_slots
 from pipeline.prompting import (
     MESSAGE_OVERHEAD_CHARS,
     PROMPT_OVERHEAD_CHARS,
-    call_text,
     message_chars,
     prompt_budget_chars,
 )
 from pipeline.spec import content_hash
+from pipeline.toolcalls import call_text, compact_value_ok
 
 log = logging.getLogger(__name__)
 

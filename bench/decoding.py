@@ -4,7 +4,7 @@ Tiny model, environment prompts of all four families, ``k`` samples per prompt a
 the same batch size and ``max_new_tokens`` for both. Prints sequences/s for both and the ratio, and
 the time ours needs for the demo's per-generation load (3,000 prompts x 4 samples).
 
-    .venv/bin/python bench/generation.py [--prompts 400]
+    .venv/bin/python bench/decoding.py [--prompts 400]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from pipeline.decoding import SamplingConfig, generate, load_model
     from pipeline.environment import FAMILIES, sample_prompts
-    from pipeline.generation import SamplingConfig, generate, load_model
     from pipeline.packing import render_prompt
     from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 

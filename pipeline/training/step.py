@@ -1,29 +1,26 @@
-"""Building the successor: train one LoRA per specialist, then co-design the harness around the new adapters."""
+"""The training step: one LoRA job per specialist with a curated dataset, continuing the parent's adapter.
+
+Each job is recorded as it finishes (registry adapter row, MLflow run and registered model version), so a
+crashed step resumes with the specialists still to train.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.advance import (
-    AdvanceConfig,
-    Progress,
-    artifacts_for,
-    contract_of,
-    lineage_candidates,
-    load_generation,
-    mark_step,
-    step_seed,
-)
+from pipeline.candidate import AdvanceConfig, Progress, artifacts_for, load_generation, mark_step, step_seed
 
-
-def registered_model_name(lineage: str, specialist: str) -> str:
-    """The MLflow registered model holding a lineage's adapters for one specialist."""
-    return f"ratchet-{lineage}-{specialist}"
+if TYPE_CHECKING:
+    from pipeline.tracking import Tracker
 
 
 def train_step(
-    *, generation_id: int, config: AdvanceConfig, tracker: Any = None, progress: Progress | None = None
+    *,
+    generation_id: int,
+    config: AdvanceConfig,
+    tracker: Tracker | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Train one LoRA per specialist with a dataset, continuing the parent's adapter; record each in the registry."""
     import json as _json
@@ -38,7 +35,8 @@ def train_step(
         set_generation_adapter,
         set_generation_status,
     )
-    from pipeline.training import TrainConfig, train_lora
+    from pipeline.tracking import registered_model_name
+    from pipeline.training.job import TrainConfig, train_lora
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -141,71 +139,3 @@ def train_step(
     with session_scope(engine) as session:
         mark_step(session, load_generation(session, generation_id), "train", {"adapters": results})
     return results
-
-
-def codesign_step(
-    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
-) -> dict[str, Any]:
-    """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
-    from pipeline.codesign import propose_variants
-    from pipeline.harness import check_harness
-    from pipeline.heldout import score_pair, validation_items
-    from pipeline.pair import PairSpec, pair_for_generation
-    from pipeline.registry import get_engine, register_harness, session_scope
-
-    engine = get_engine()
-    with session_scope(engine) as session:
-        gen = load_generation(session, generation_id)
-        contract = contract_of(gen)
-        pair = pair_for_generation(gen)
-        parent_harness = pair.harness
-        candidates = lineage_candidates(session, gen, contract)
-        number = gen.number
-    if not config.codesign:
-        outcome = {"chosen": parent_harness.version, "variants": {}}
-    else:
-        top: dict[str, list[dict[str, Any]]] = {}
-        for c in sorted(candidates, key=lambda c: -(c.score or 0)):
-            if c.score is not None and c.metadata.get("split") != "heldout" and c.source != "evaluation":
-                top.setdefault(c.specialist, []).append(
-                    {"messages": c.messages, "score": c.score, "specialist": c.specialist}
-                )
-        top = {s: v[:20] for s, v in top.items()}
-        variants = propose_variants(
-            parent_harness, top_traces=top, contract=contract, rng_seed=step_seed(config, number, "codesign")
-        )
-        items = validation_items(
-            sorted(pair.adapters), n=config.validation_items, seed=step_seed(config, number, "validation")
-        )
-        scores = {}
-        best_label, best_value, best_spec = parent_harness.version, None, parent_harness
-        for label, spec in [(parent_harness.version, parent_harness), *((v.label, v.spec) for v in variants)]:
-            if check_harness(spec, contract):
-                continue
-            per = score_pair(PairSpec(pair.base_dir, pair.adapters, spec), items, contract)
-            value = sum(sum(v) / len(v) for v in per.values() if v) / max(
-                1, sum(1 for v in per.values() if v)
-            )
-            scores[label] = round(value, 4)
-            if best_value is None or value > best_value + 1e-9:
-                best_label, best_value, best_spec = label, value, spec
-        outcome = {
-            "chosen": best_label,
-            "variants": scores,
-            "operators": {v.label: v.operator for v in variants},
-        }
-        if best_spec is not parent_harness:
-            with session_scope(engine) as session:
-                gen = load_generation(session, generation_id)
-                row = register_harness(
-                    session=session,
-                    name=best_spec.name,
-                    version=best_spec.version,
-                    spec=best_spec.model_dump(mode="json"),
-                    parent_id=gen.harness_version_id,
-                    actor="codesign",
-                )
-                gen.harness_version_id = row.id
-    with session_scope(engine) as session:
-        mark_step(session, load_generation(session, generation_id), "codesign", outcome)
-    return outcome

@@ -5,7 +5,7 @@ grouped together), the model's KV cache, ``torch.inference_mode``, temperature /
 seeded ``torch.Generator``, ``k`` samples per prompt, end-of-sequence and stop strings, and rows that
 finished stop being extended (the batch stops when every row is done). It adds what collection needs
 on top of ``generate`` (per-sequence stop strings, text out, one seeded generator for reproducible
-experience) at the same speed (``bench/generation.py``: 1.01x on the shared 2-core machine).
+experience) at the same speed (``bench/decoding.py``: 1.01x on the shared 2-core machine).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.decoding import SamplingConfig, generate, load_model
 from pipeline.environment import FAMILIES, sample_prompts
-from pipeline.generation import SamplingConfig, generate, load_model
 from pipeline.packing import render_prompt
 from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 

@@ -1,0 +1,97 @@
+"""The candidate generation every advancement step works on: its config, its registry record, its artifacts.
+
+Each step (``collection``, ``scoring``, ``curation``, ``training``, ``codesign``, ``evaluation``,
+``promotion``) is a plain function of the candidate's id and an ``AdvanceConfig``; it loads the candidate
+with ``load_generation``, does its work and records its outcome with ``mark_step``, so that
+``pipeline.advance`` can resume a crashed candidate from the first step not yet done.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.contract import ContractSpec
+    from pipeline.registry import Generation
+
+STEPS = ("collect", "score", "curate", "train", "codesign", "evaluate", "decide")
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: what a step reports while it works (``total`` 0 when unknown)."""
+
+
+@dataclass(frozen=True)
+class AdvanceConfig:
+    """Knobs of one advancement cycle (the signature is the config; the CLI exposes the main ones)."""
+
+    lineage: str = "main"
+    prompts_per_specialist: int = 1500  # prompts sampled from the environment's training stream
+    samples_per_prompt: int = 4  # k attempts per prompt, all recorded as experience
+    temperature: float = 0.7  # sampling temperature of collection (evaluation is greedy)
+    min_examples: int = 16  # a specialist with fewer curated examples keeps its parent's adapter
+    validation_items: int = 48  # per specialist, for choosing among harness variants
+    codesign: bool = True
+    seed: int = 0
+    lease_seconds: int = 1800
+
+
+def step_seed(config: AdvanceConfig, number: int, salt: str) -> int:
+    """A seed for one use (``salt``) in one generation of one lineage: reproducible, and independent of
+    every other use."""
+    return zlib.crc32(f"{config.lineage}:{number}:{config.seed}:{salt}".encode())
+
+
+def load_generation(session: Session, generation_id: int) -> Generation:
+    """The generation with its adapters loaded."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import selectinload
+
+    from pipeline.errors import NotFoundError
+    from pipeline.registry import Generation, GenerationAdapter
+
+    gen = session.scalar(
+        select(Generation)
+        .where(Generation.id == generation_id)
+        .options(selectinload(Generation.adapters).selectinload(GenerationAdapter.adapter))
+    )
+    if gen is None:
+        raise NotFoundError(f"generation id {generation_id} does not exist in the registry")
+    return gen
+
+
+def mark_step(session: Session, gen: Generation, step: str, outcome: dict[str, Any]) -> None:
+    """Record that ``step`` is done for ``gen``, with what it did."""
+    state = dict(gen.state or {})
+    steps = dict(state.get("steps", {}))
+    steps[step] = outcome
+    state["steps"] = steps
+    gen.state = state
+    gen.step = step
+    session.flush()
+
+
+def done_steps(generation_id: int) -> dict[str, Any]:
+    """The outcomes of the steps already done for the candidate."""
+    from pipeline.registry import get_engine, session_scope
+
+    with session_scope(get_engine()) as session:
+        return dict((load_generation(session, generation_id).state or {}).get("steps", {}))
+
+
+def contract_of(gen: Generation) -> ContractSpec:
+    """The contract version the generation is judged under."""
+    from pipeline.contract import stored_contract
+
+    return stored_contract(gen.contract_version.spec)
+
+
+def artifacts_for(lineage: str, number: int) -> Path:
+    """Where a generation's datasets and adapters are written."""
+    from pipeline.settings import get_settings
+
+    return (get_settings().artifacts_dir / lineage / f"gen-{number:04d}").resolve()

@@ -1,0 +1,62 @@
+"""Collection: the champion pair practises on the task environment's training stream; every attempt is kept.
+
+``collect_step`` samples ``prompts_per_specialist`` training-split prompts per specialist, answers each
+``samples_per_prompt`` times with the parent pair (the champion) at the collection temperature, and
+stores every attempt as experience (source ``simulation``), right or wrong: scoring decides later what
+the contract verified, and curation what may be learned from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.candidate import AdvanceConfig, Progress, load_generation, mark_step, step_seed
+
+
+def collect_step(
+    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Run the champion (the parent pair) in the task environment; record every attempt as experience."""
+    from pipeline.environment import sample_prompts
+    from pipeline.experience import trace_row, validate_trace
+    from pipeline.pair import answer_items, pair_for_generation
+    from pipeline.registry import get_engine, insert_traces, session_scope
+
+    engine = get_engine()
+    with session_scope(engine) as session:
+        gen = load_generation(session, generation_id)
+        parent = load_generation(session, gen.parent_id)
+        pair = pair_for_generation(parent)
+        number, parent_id, harness_id = gen.number, parent.id, parent.harness_version_id
+    items = {
+        s: sample_prompts(s, config.prompts_per_specialist, step_seed(config, number, f"collect:{s}"))
+        for s in pair.adapters
+    }
+    answered = answer_items(
+        pair,
+        items,
+        num_samples=config.samples_per_prompt,
+        temperature=config.temperature,
+        seed=step_seed(config, number, "sample"),
+        progress=(lambda d, t: progress("collect", d, t)) if progress else None,
+    )
+    rows = []
+    for traces in answered.values():
+        for attempts in traces:
+            for trace in attempts:
+                trace["metadata"]["collected_for"] = number
+                rows.append(
+                    trace_row(
+                        validate_trace(trace),
+                        source="simulation",
+                        generation_id=parent_id,
+                        harness_version_id=harness_id,
+                    )
+                )
+    stored = 0
+    with session_scope(engine) as session:
+        for start in range(0, len(rows), 2000):
+            stored += insert_traces(session=session, rows=rows[start : start + 2000])
+        outcome = {"attempts": len(rows), "stored": stored, "prompts": sum(len(v) for v in items.values())}
+        mark_step(session, load_generation(session, generation_id), "collect", outcome)
+    return outcome

@@ -1,0 +1,202 @@
+"""Tool calls as model text and as OpenAI ``tool_calls``: the formats every part of the loop shares.
+
+A format is a pair of functions: ``parse(text) -> [{"name", "arguments"}] | None`` and
+``render(calls) -> text``. Built in:
+
+- ``json`` (the harness's ``openai`` and ``json`` formats): one JSON object ``{"name": ..., "arguments":
+  {...}}`` or a JSON list of them, optionally inside ``<tool_call>`` tags;
+- ``compact``: ``name(key=value,...)``, one call per line, for tiny models that cannot write JSON reliably:
+  ``name`` is a Python-style identifier; a value made only of digits (with an optional leading ``-``) is
+  an integer, anything else a string; values never contain ``,`` ``=`` ``(`` ``)`` or a newline, and there
+  are no spaces around ``=`` or ``,``. Arguments are written in the order given (a caller that wants a
+  tool schema's property order passes it as ``order``).
+
+``parse_tool_calls`` tries the harness's format first, then the others, and accepts a call only when its
+name is one of the offered tools, so plain prose is never mistaken for a call. ``register_format`` adds a
+format. ``to_openai`` / ``from_openai`` convert to and from OpenAI's shape. Pure functions, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+Call = dict[str, Any]
+Parser = Callable[[str], list[Call] | None]
+Renderer = Callable[[Sequence[Call]], str]
+
+# ------------------------------------------------------------------------------------------- compact
+_CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\((.*)\)\s*$", re.DOTALL)
+_INT = re.compile(r"^-?\d+$")
+_RESERVED = re.compile(r"[()=]")  # characters a compact argument value may not contain
+COMPACT_FORBIDDEN = ",=()\n"  # ... nor these, when a value is written
+
+
+def compact_value_ok(value: Any) -> bool:
+    """Whether a call argument survives the compact format: an int, or a string that is not all digits
+    (it would read back as an int) and has none of ``,`` ``=`` ``(`` ``)`` or a newline."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return (
+        isinstance(value, str)
+        and bool(value)
+        and not value.lstrip("-").isdigit()
+        and not any(c in value for c in COMPACT_FORBIDDEN)
+    )
+
+
+def format_compact_call(name: str, arguments: dict[str, Any], order: Sequence[str] = ()) -> str:
+    """``name(key=value,...)``: the keys in ``order`` first (e.g. a tool schema's properties), then the rest."""
+    keys = [k for k in order if k in arguments] + [k for k in arguments if k not in order]
+    return f"{name}(" + ",".join(f"{k}={arguments[k]}" for k in keys) + ")"
+
+
+def parse_compact_call(text: str) -> Call | None:
+    """Parse ``name(k=v,...)``; ``None`` when the text is not a single well-formed compact call."""
+    match = _CALL.match(text)
+    if not match:
+        return None
+    name, body = match.group(1), match.group(2)
+    arguments: dict[str, Any] = {}
+    if body.strip():
+        for part in body.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or not key.isidentifier() or key in arguments or _RESERVED.search(value):
+                return None
+            arguments[key] = int(value) if _INT.match(value) else value
+    return {"name": name, "arguments": arguments}
+
+
+def parse_compact_calls(text: str) -> list[Call] | None:
+    """The calls of a text made only of compact calls, one per line; ``None`` otherwise."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    calls = [parse_compact_call(line) for line in lines]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def _render_compact(calls: Sequence[Call]) -> str:
+    return "\n".join(format_compact_call(c["name"], c["arguments"]) for c in calls)
+
+
+# ---------------------------------------------------------------------------------------------- json
+_TAGS = re.compile(r"^\s*<tool_call>\s*(.*?)\s*</tool_call>\s*$", re.DOTALL)
+
+
+def _parse_json(text: str) -> list[Call] | None:
+    body = text.strip()
+    tagged = _TAGS.match(body)
+    if tagged:
+        body = tagged.group(1)
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    items = data if isinstance(data, list) else [data]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append({"name": item["name"], "arguments": args})
+    return calls or None
+
+
+def _render_json(calls: Sequence[Call]) -> str:
+    items = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+    return json.dumps(items[0] if len(items) == 1 else items, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------------------------------- formats
+FORMATS: dict[str, tuple[Parser, Renderer]] = {
+    "json": (_parse_json, _render_json),
+    "compact": (parse_compact_calls, _render_compact),
+}
+ALIASES = {"openai": "json"}
+
+
+def register_format(name: str, parse: Parser, render: Renderer) -> None:
+    """Add (or replace) a tool-call text format."""
+    FORMATS[name] = (parse, render)
+
+
+def _resolve(fmt: str) -> str:
+    name = ALIASES.get(fmt, fmt)
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool_call_format {fmt!r}; known: {sorted(FORMATS) + sorted(ALIASES)}")
+    return name
+
+
+def parse_tool_calls(text: str, tool_names: Iterable[str], fmt: str = "json") -> list[Call] | None:
+    """The calls in a completion's text, or ``None`` when it is not (only) tool calls to offered tools."""
+    names = set(tool_names)
+    if not names or not text.strip():
+        return None
+    first = _resolve(fmt)
+    for name in [first] + [n for n in FORMATS if n != first]:
+        calls = FORMATS[name][0](text)
+        if calls and all(c["name"] in names for c in calls):
+            return calls
+    return None
+
+
+def render_tool_calls(calls: Sequence[Call], fmt: str = "json") -> str:
+    """The text a model in format ``fmt`` writes for ``calls``."""
+    return FORMATS[_resolve(fmt)][1](calls)
+
+
+def call_text(name: str, arguments: dict[str, Any], fmt: str) -> str:
+    """One call as the model writes it in format ``fmt``."""
+    return render_tool_calls([{"name": name, "arguments": arguments}], fmt)
+
+
+# -------------------------------------------------------------------------------------------- openai
+def openai_tool_call(call: Call, *, seed_text: str = "") -> dict[str, Any]:
+    """Wrap ``{"name", "arguments"}`` as an OpenAI ``tool_calls`` entry with a stable id."""
+    digest = hashlib.sha256((seed_text + json.dumps(call, sort_keys=True)).encode()).hexdigest()[:12]
+    return {
+        "id": f"call_{digest}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], separators=(",", ":"))},
+    }
+
+
+def to_openai(calls: Sequence[Call], *, seed_text: str = "") -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` entries (ids stable for the same seed text and calls)."""
+    return [openai_tool_call(c, seed_text=f"{seed_text}#{i}") for i, c in enumerate(calls)]
+
+
+def from_openai(tool_calls: Sequence[dict[str, Any]]) -> list[Call]:
+    """``{"name", "arguments"}`` calls from OpenAI ``tool_calls`` (arguments decoded from JSON)."""
+    out = []
+    for tc in tool_calls:
+        fn = tc.get("function") or {}
+        args = fn.get("arguments") or "{}"
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                args = {"_raw": args}
+        out.append(
+            {"name": fn.get("name", ""), "arguments": args if isinstance(args, dict) else {"_raw": args}}
+        )
+    return out
+
+
+def compact_from_openai(tool_calls: Sequence[dict[str, Any]]) -> str:
+    """The compact text of an assistant message's OpenAI ``tool_calls`` (one call per line)."""
+    return _render_compact(from_openai(tool_calls))
