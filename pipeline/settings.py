@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +43,12 @@ class Settings(BaseSettings):
         "machine 1 is often fastest: OpenMP threads that wait for each other cost more than they give.",
     )
     device: str = Field(default="auto", description="Torch device for training and serving: auto, cpu, cuda.")
+    sandbox: Literal["bubblewrap", "process"] = Field(
+        default="bubblewrap",
+        description="How model-written code is run by the `python_tests` scorer: `bubblewrap` (kernel "
+        "namespaces: no network, no view of the host's files or processes; needs Debian's `bubblewrap`) "
+        "or `process` (plain processes with resource limits: no isolation, for trusted data only).",
+    )
 
     @property
     def registry_url(self) -> str:

@@ -7,9 +7,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.errors import RatchetError
 from pipeline.scorers.base import NOT_APPLICABLE, ScorerOutcome, TurnContext, message_text
+from pipeline.scorers.code import extract_code, run_io_tests, run_python_tests, score_python_tests
 from pipeline.scorers.judge import score_judge
-from pipeline.scorers.sandbox import extract_code, run_python_tests, score_python_tests
 from pipeline.scorers.text import (
     feedback_rating,
     score_exact_match,
@@ -41,6 +42,8 @@ def run_scorer(config: Any, ctx: TurnContext) -> ScorerOutcome:
         return NOT_APPLICABLE
     try:
         return SCORERS[config.kind](config, ctx)
+    except RatchetError:  # a setup problem (no sandbox, a bad setting): stop the run, say why
+        raise
     except Exception as exc:  # noqa: BLE001 - a scorer bug must not abort a run over many traces
         log.exception("scorer %s crashed on turn %d", config.key, ctx.index)
         return ScorerOutcome(None, f"scorer crashed: {type(exc).__name__}: {exc}")
@@ -56,6 +59,7 @@ __all__ = [
     "extract_code",
     "feedback_rating",
     "message_text",
+    "run_io_tests",
     "run_python_tests",
     "run_scorer",
 ]

@@ -13,11 +13,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScorerOutcome:
-    """One scorer's verdict on one turn: ``value`` in 0..1, or None when the scorer does not apply."""
+    """One scorer's verdict on one turn: ``value`` in 0..1, or None when the scorer does not apply.
+
+    ``verified``: the value checked the outcome against something outside the model's answer (a reference
+    answer, tests that ran, a schema, an expected call, a judge's verdict, a user's rating). A value that
+    only grades form (a length, a parse without a schema, a call that fits some tool) is not verified.
+    """
 
     value: float | None
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    verified: bool = False
 
 
 NOT_APPLICABLE = ScorerOutcome(None)

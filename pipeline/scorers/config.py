@@ -155,10 +155,19 @@ class JsonSchemaScorer(ScorerBase):
 
 
 class PythonTestsScorer(ScorerBase):
-    """Runs the model's Python code against `metadata.tests` in a sandboxed subprocess."""
+    """Runs the model's Python code against `metadata.tests` in the sandbox (`RATCHET_SANDBOX`)."""
 
     kind: Literal["python_tests"] = Field(description="Execute the answer's code against tests.")
-    tests_field: str = Field(default="tests", description="Metadata key holding the test code.")
+    tests_field: str = Field(
+        default="tests",
+        description="Metadata key holding the tests: Python test code (assertions; each `test*` function "
+        "is one test), or a list of `{stdin, stdout}` cases (the code runs as a program per case).",
+    )
+    io_match: Literal["lines", "exact", "tokens"] = Field(
+        default="lines",
+        description="How an I/O case's output is compared: `lines` (trailing spaces and empty lines "
+        "ignored), `exact`, or `tokens` (whitespace-separated).",
+    )
     timeout_s: float = Field(default=5.0, gt=0, le=600, description="Wall-clock limit of one run (seconds).")
     memory_mb: int = Field(default=256, ge=32, le=65536, description="Address-space limit of the run (MiB).")
     partial_credit: bool = Field(

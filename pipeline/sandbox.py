@@ -1,0 +1,339 @@
+"""Running code we do not trust: one bubblewrap sandbox per process, or (explicitly) plain processes.
+
+``launcher()`` returns the ``Launcher`` for the configured mode (``RATCHET_SANDBOX``):
+
+- ``bubblewrap`` (the default): every process runs under Debian's ``bwrap`` in its own user, PID,
+  network, IPC, UTS and mount namespaces: a read-only root made only of ``/usr`` and the Python
+  interpreter's installation (the registry, the artifact store, the project source and everything under
+  ``/home``, ``/root`` or ``/etc`` are not there, or are hidden under an empty tmpfs where they lie below
+  a bound directory), a private size-limited ``/tmp`` as its work dir, a ``/proc`` that shows only its
+  own processes, no network but its own loopback, an unprivileged uid (65534; a root host drops to it
+  before ``bwrap`` starts, so the kernel enforces ``RLIMIT_NPROC``), no capabilities, no further user
+  namespaces, a new session (no terminal injection) and an empty environment. When ``bwrap`` or the
+  process that started it dies, the kernel kills every process of the sandbox's PID namespace.
+- ``process``: the same programs as plain processes with resource limits, an emptied environment and
+  a temporary work dir. They can read what the user can read and reach the network: for trusted data
+  only.
+
+``bwrap`` missing or not working is a ``SandboxUnavailable`` error naming the reason and both ways out;
+nothing falls back to the weaker mode by itself. Resource limits are set by the sandboxed program itself
+(``programs/wire.py``: ``set_limits``) before any untrusted code runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pipeline.errors import RatchetError
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["bubblewrap", "process"]
+SANDBOX_UID = 65534  # "nobody": owns nothing of the host's
+TMP_BYTES = 16 << 20
+
+
+class SandboxUnavailable(RatchetError):
+    """No working sandbox for untrusted code: the run stops rather than run it unprotected."""
+
+
+def unavailable(reason: str) -> SandboxUnavailable:
+    return SandboxUnavailable(
+        f"model-written code cannot run safely here: {reason}. Install bubblewrap (Debian/Ubuntu: "
+        "`apt-get install bubblewrap`), or set RATCHET_SANDBOX=process to run it as plain processes "
+        "(no kernel isolation: for trusted data only)"
+    )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed process may use (set inside it before untrusted code runs)."""
+
+    memory_mb: int = 256
+    cpu_s: int = 6
+    processes: int = 32  # RLIMIT_NPROC inside the sandbox's own user namespace (bubblewrap only)
+
+    def argv(self, mode: Mode) -> list[str]:
+        # In process mode RLIMIT_NPROC would count every process of the user: 0 leaves it unset.
+        return [
+            str(self.memory_mb << 20),
+            str(self.cpu_s),
+            str(self.processes if mode == "bubblewrap" else 0),
+        ]
+
+
+@dataclass
+class Run:
+    """One started process and what must be cleaned up after it."""
+
+    proc: subprocess.Popen
+    workdir: str | None = None
+
+    def close(self) -> None:
+        """Kill the process's whole session (and with it the sandbox) and remove its work dir."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# What the sandboxed interpreter runs first: the program's compiled code, read from the descriptor in argv[1]
+# (compiling a 20 kB program in every sandbox would cost more than starting the interpreter).
+BOOT = (
+    "import marshal,os,sys\nfd=int(sys.argv.pop(1))\nchunks=[]\nwhile True:\n"
+    "    chunk=os.read(fd,65536)\n    if not chunk:\n        break\n    chunks.append(chunk)\n"
+    "os.close(fd)\ncode=marshal.loads(b''.join(chunks))\ndel marshal,fd,chunks,chunk\nexec(code)"
+)
+COMPILE = (
+    "import marshal,sys;sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(),'sandbox','exec')))"
+)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """Starts sandboxed Python programs in one mode (``python -I -S``, the program's code over a pipe)."""
+
+    mode: Mode
+    python: str
+    binds: tuple[str, ...] = ()  # host directories bound read-only at the same path
+    symlinks: tuple[tuple[str, str], ...] = ()  # (target, link) for merged-/usr layouts
+    masks: tuple[str, ...] = ()  # paths inside a bound directory hidden under an empty tmpfs
+    drop_to: int | None = None  # uid to become before starting (a root host)
+    setpriv: str | None = None  # util-linux's setpriv drops to ``drop_to`` (so subprocess can vfork)
+    bwrap: str | None = None
+    env: dict[str, str] = field(default_factory=lambda: {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+
+    def command(self, source: str, args: list[str]) -> list[str]:
+        """The command line that runs ``python -I -S -c source args`` in this launcher's sandbox."""
+        python = [self.python, "-I", "-S", "-c", source, *args]
+        if self.setpriv is not None:
+            drop = [
+                self.setpriv,
+                f"--reuid={self.drop_to}",
+                f"--regid={self.drop_to}",
+                "--clear-groups",
+                "--",
+            ]
+        else:
+            drop = []
+        if self.mode == "process":
+            return [*drop, *python]
+        assert self.bwrap is not None
+        cmd = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        cmd += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        cmd += ["--hostname", "sandbox"]
+        for path in self.binds:
+            cmd += ["--ro-bind", path, path]
+        for target, link in self.symlinks:
+            cmd += ["--symlink", target, link]
+        for path in self.masks:
+            cmd += ["--tmpfs", path]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+        cmd += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+        for key, value in {**self.env, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
+            cmd += ["--setenv", key, value]
+        return [*drop, *cmd, "--", *python]
+
+    def compile(self, source: str) -> bytes:
+        """``source`` compiled by the sandbox's own interpreter (marshalled code object), once per process.
+        Our own source, compiled outside any sandbox: nothing untrusted is involved."""
+        return _compiled(self.python, source)
+
+    def start(
+        self, program: bytes, args: list[str], *, pass_fds: tuple[int, ...] = (), capture_stdout: bool = False
+    ) -> Run:
+        """Start a compiled program (``compile``); its stdin is a pipe the caller writes and closes, its
+        stdout a pipe (``capture_stdout``) or nothing. Its arguments are ``args``, its descriptors
+        ``pass_fds``."""
+        code_r, code_w = os.pipe()
+        try:
+            run = self._spawn(
+                args=[str(code_r), *args], pass_fds=(code_r, *pass_fds), capture_stdout=capture_stdout
+            )
+        finally:
+            os.close(code_r)
+        try:
+            view = memoryview(program)
+            while view:
+                view = view[os.write(code_w, view) :]
+        except OSError:  # it died before reading its code; the caller sees it fail
+            pass
+        finally:
+            os.close(code_w)
+        return run
+
+    def _spawn(self, *, args: list[str], pass_fds: tuple[int, ...], capture_stdout: bool) -> Run:
+        workdir = None
+        env = dict(self.env)
+        if self.mode == "process":
+            workdir = tempfile.mkdtemp(prefix="ratchet-sandbox-")
+            if self.drop_to is not None:
+                os.chown(workdir, self.drop_to, self.drop_to)
+            env.update(HOME=workdir, TMPDIR=workdir)
+        drop: dict = {}
+        if self.drop_to is not None and self.setpriv is None:
+            drop = {"user": self.drop_to, "group": self.drop_to, "extra_groups": []}
+        proc = subprocess.Popen(
+            self.command(BOOT, args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=pass_fds,
+            cwd=workdir or "/",
+            env=env,
+            start_new_session=True,
+            **drop,
+        )
+        return Run(proc, workdir)
+
+
+def _others_can_use(path: Path) -> bool:
+    """Whether a user who owns nothing can reach ``path`` (every directory above it searchable) and read it."""
+    path = Path(os.path.realpath(path))
+    for parent in path.parents:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+    mode = os.stat(path).st_mode
+    return bool(mode & stat.S_IROTH) and (not stat.S_ISDIR(mode) or bool(mode & stat.S_IXOTH))
+
+
+def _interpreters() -> list[tuple[str, str]]:
+    """(interpreter, installation prefix) candidates: this Python's base interpreter first."""
+    base = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    out = [(base, os.path.realpath(sys.base_prefix))]
+    for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(path):
+            real = os.path.realpath(path)
+            out.append((real, str(Path(real).parent.parent)))
+    return out
+
+
+def _sensitive_paths() -> list[str]:
+    """What sandboxed code must never see: the registry, the artifact store, the project source."""
+    from pipeline.settings import get_settings
+
+    settings = get_settings()
+    paths = [settings.home, settings.artifacts_dir, Path(__file__).resolve().parent.parent]
+    url = settings.registry_url
+    if url.startswith("sqlite:///"):
+        paths.append(Path(url.removeprefix("sqlite:///")).parent)
+    return sorted({os.path.realpath(p) for p in paths})
+
+
+def _layout(prefix: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    binds, links = ["/usr"], []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            links.append((os.readlink(top), top))
+        elif os.path.isdir(top):
+            binds.append(top)
+    if not any(prefix == b or prefix.startswith(b + "/") for b in binds):
+        binds.append(prefix)
+    return tuple(binds), tuple(links)
+
+
+def _probe(launcher: Launcher) -> str | None:
+    """None when the launcher runs a program, else why not (first line of what went wrong)."""
+    try:
+        run = launcher.start(launcher.compile("import sys; sys.stdout.write('ok')"), [], capture_stdout=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not start {launcher.bwrap or launcher.python}: {exc}"
+    try:
+        assert run.proc.stdin is not None and run.proc.stdout is not None
+        run.proc.stdin.close()
+        out = run.proc.stdout.read()
+        run.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "a test run did not finish within 30 s"
+    finally:
+        run.close()
+    if out == b"ok":
+        return None
+    # Run again with stderr to say why (rare path: only when the sandbox does not work).
+    err = subprocess.run(
+        launcher.command("pass", []), capture_output=True, timeout=30, env=launcher.env, cwd="/"
+    ).stderr.decode("utf-8", "replace")
+    return (err.strip().splitlines() or [f"exit status {run.proc.returncode}"])[-1]
+
+
+@functools.cache
+def _compiled(python: str, source: str) -> bytes:
+    done = subprocess.run(
+        [python, "-I", "-S", "-c", COMPILE],
+        input=source.encode("utf-8"),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+@functools.cache
+def _launcher(mode: Mode) -> Launcher:
+    root = os.geteuid() == 0
+    drop_to = SANDBOX_UID if root else None
+    usable = [(py, prefix) for py, prefix in _interpreters() if not root or _others_can_use(Path(py))]
+    if not usable:
+        raise unavailable(f"no Python interpreter that uid {SANDBOX_UID} may read (tried: {_interpreters()})")
+    python, prefix = usable[0]
+    setpriv = shutil.which("setpriv") if root else None
+    if mode == "process":
+        return Launcher(mode="process", python=python, drop_to=drop_to, setpriv=setpriv)
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise unavailable("bubblewrap is not installed (no `bwrap` on PATH)")
+    binds, links = _layout(prefix)
+    masks = tuple(
+        p
+        for p in _sensitive_paths()
+        if any(p == b or p.startswith(b + "/") for b in binds) and os.path.isdir(p)
+    )
+    launcher = Launcher(
+        mode="bubblewrap",
+        python=python,
+        binds=binds,
+        symlinks=links,
+        masks=masks,
+        drop_to=drop_to,
+        bwrap=bwrap,
+    )
+    problem = _probe(launcher)
+    if problem is not None:
+        raise unavailable(f"bubblewrap does not work here ({problem})")
+    log.debug("sandbox: bubblewrap with %s, binds %s, masks %s", python, binds, masks)
+    return launcher
+
+
+def launcher(mode: Mode | None = None) -> Launcher:
+    """The launcher of ``mode`` (default: the ``RATCHET_SANDBOX`` setting), checked once per process."""
+    if mode is None:
+        from pipeline.settings import get_settings
+
+        mode = get_settings().sandbox
+    return _launcher(mode)
+
+
+def sandbox_problem(mode: Mode = "bubblewrap") -> str | None:
+    """Why ``mode`` cannot run here, or None when it can (for status lines and test skips)."""
+    try:
+        launcher(mode)
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,475 @@
+"""Model-written code under the python_tests scorer, as an attacker would write it.
+
+Each attack runs as the model's answer against real tests. Forgery attacks must end as failed tests in
+both sandbox modes (the verdict never comes from the process that runs the model's code); containment
+attacks (files, environment, processes, network, signals) must fail under bubblewrap, and the host checks
+their side effects itself. Honest code must still pass.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.sandbox import SandboxUnavailable, launcher
+from pipeline.scorers import run_io_tests, run_python_tests
+
+ROOT = Path(__file__).resolve().parent.parent
+ADD_TESTS = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(-1, 1) == 0\n"
+FAILING = "def test_fails():\n    assert add(1, 2) == 4\n"
+
+
+def run(code: str, tests: str, mode: str | None = None, **limits) -> dict:
+    options = {"timeout_s": 5.0, "memory_mb": 256, **limits}
+    return run_python_tests(code, tests, sandbox=launcher(mode) if mode else None, **options)
+
+
+@pytest.fixture(params=["process", "bubblewrap"])
+def mode(request):
+    """Both sandbox modes (bubblewrap skipped where it cannot run)."""
+    if request.param == "bubblewrap":
+        request.getfixturevalue("bubblewrap")
+    return request.param
+
+
+# ------------------------------------------------------------------------------------ honest code passes
+def test_honest_code_passes_and_wrong_code_fails(mode):
+    assert run("def add(a, b):\n    return a + b\n", ADD_TESTS, mode)["passed"] == 2
+    out = run("def add(a, b):\n    return abs(a) + b\n", ADD_TESTS, mode)
+    assert out["passed"] == 1 and out["total"] == 2 and "test_two" in out["failures"][0]
+
+
+def test_objects_iterators_exceptions_and_modules_cross_as_in_python(mode):
+    code = """
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+    def pop(self):
+        if not self.items:
+            raise IndexError("empty")
+        return self.items.pop()
+    def __len__(self):
+        return len(self.items)
+
+def squares(n):
+    for i in range(n):
+        yield i * i
+
+def table():
+    return {(1, 2): {"a", "b"}, "bytes": b"\\x00\\xff", "nan": float("nan"), "c": 1 + 2j}
+"""
+    tests = """
+import solution
+from solution import squares
+
+def test_stack():
+    s = solution.Stack()
+    s.push(3); s.push(4)
+    assert len(s) == 2 and s.pop() == 4 and s.items == [3]
+    try:
+        s.pop(); s.pop()
+    except IndexError as exc:
+        assert "empty" in str(exc)
+    else:
+        raise AssertionError("no IndexError")
+
+def test_generator_and_data():
+    assert list(squares(4)) == [0, 1, 4, 9]
+    t = table()
+    assert t[(1, 2)] == {"a", "b"} and t["bytes"] == b"\\x00\\xff" and t["c"] == 1 + 2j
+    assert t["nan"] != t["nan"]
+"""
+    out = run(code, tests, mode)
+    assert out["passed"] == 2, out
+
+
+# ----------------------------------------------------------------------------------------- forged verdicts
+FORGERIES = {
+    "exit early": "import os\nos._exit(0)\n",
+    "raise SystemExit at import": "raise SystemExit(0)\n",
+    "write verdicts to every descriptor": """
+import os
+fake = b'{"total":1}\\n{"test":"test_fails","ok":true}\\n{"done":true}\\n'
+for fd in range(256):
+    try:
+        os.write(fd, fake)
+    except OSError:
+        pass
+def add(a, b):
+    return 0
+""",
+    "walk frames and patch the harness": """
+import sys, builtins
+frame = sys._getframe()
+while frame is not None:
+    for name, value in list(frame.f_globals.items()):
+        if callable(value) and name.startswith(("_report", "drive", "_run", "write_message")):
+            frame.f_globals[name] = lambda *a, **k: None
+    frame = frame.f_back
+builtins.AssertionError = type("AssertionError", (Exception,), {})
+sys.modules["tests"] = type(sys)("tests")
+def add(a, b):
+    return 0
+""",
+    "an object equal to everything": """
+class Anything:
+    def __eq__(self, other):
+        return True
+    def __bool__(self):
+        return True
+def add(a, b):
+    return Anything()
+""",
+    "subclass of int equal to everything": """
+class Liar(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def add(a, b):
+    return Liar(0)
+""",
+    "define test functions": "def add(a, b):\n    return 0\ndef test_fails():\n    pass\ndef test_extra():\n    pass\n",
+    "trace or read the driver through /proc": """
+import os
+found = []
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    for leaf in ("mem", "fd", "environ"):
+        try:
+            path = f"/proc/{pid}/{leaf}"
+            if leaf == "fd":
+                for fd in os.listdir(path):
+                    with open(f"{path}/{fd}", "wb") as fh:
+                        fh.write(b'{"test":"test_fails","ok":true}\\n{"done":true}\\n')
+            else:
+                with open(path, "rb") as fh:
+                    found.append(fh.read(64))
+        except OSError:
+            pass
+def add(a, b):
+    return 0
+""",
+}
+
+
+@pytest.mark.parametrize("attack", list(FORGERIES))
+def test_a_forged_verdict_is_a_failed_test(mode, attack):
+    out = run(FORGERIES[attack], FAILING, mode)
+    assert out["passed"] == 0 and out["total"] == 1, (attack, out)
+
+
+def test_the_driver_cannot_be_traced_or_opened(mode):
+    """The solution's process runs as the same uid as the driver it was forked from; the driver is made
+    non-dumpable first, so its descriptors, memory and ptrace stay out of reach."""
+    code = """
+import ctypes, os
+def probe():
+    driver = os.getppid()
+    reached = []
+    for leaf in ("fd", "mem", "environ"):
+        try:
+            if leaf == "fd":
+                os.listdir(f"/proc/{driver}/fd")
+            else:
+                open(f"/proc/{driver}/{leaf}", "rb").read(1)
+            reached.append(leaf)
+        except OSError:
+            pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.ptrace(16, driver, 0, 0) == 0:  # PTRACE_ATTACH
+        reached.append("ptrace")
+    return reached
+"""
+    out = run(code, "def test_probe():\n    assert probe() == [], probe()\n", mode)
+    assert out["passed"] == 1, out
+
+
+def test_the_model_code_never_sees_the_tests(mode):
+    code = """
+import gc, os
+def leak():
+    seen = [o for o in gc.get_objects() if isinstance(o, str) and "SECRET_EXPECTED" in o]
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"SECRET_EXPECTED" in fh.read():
+                    seen.append(pid)
+        except OSError:
+            pass
+    return len(seen)
+"""
+    tests = "def test_leak():\n    assert leak() == 0  # SECRET_EXPECTED\n"
+    assert run(code, tests, mode)["passed"] == 1
+
+
+# ------------------------------------------------------------------------------------------- containment
+def probe(body: str, tests: str = "def test_probe():\n    assert probe() == 'blocked', probe()\n") -> dict:
+    code = "import os, socket, subprocess, sys, time\n\ndef probe():\n" + "".join(
+        f"    {line}\n" for line in body.strip().splitlines()
+    )
+    return run(code, tests, "bubblewrap")
+
+
+@pytest.fixture
+def exposed_home(monkeypatch):
+    """A RATCHET_HOME that every uid on the host may read and write (so that only the sandbox, not file
+    permissions, keeps the code out), with a registry and an adapter file in it."""
+    import shutil
+    import tempfile
+
+    from pipeline.settings import get_settings
+
+    home = Path(tempfile.mkdtemp(prefix="ratchet-exposed-"))
+    home.chmod(0o777)
+    monkeypatch.setenv("RATCHET_HOME", str(home))
+    get_settings.cache_clear()
+    db = home / "registry.db"
+    sqlite3.connect(db).execute("create table secret (v text)").connection.commit()
+    artifact = get_settings().artifacts_dir / "adapter.bin"
+    artifact.parent.mkdir(parents=True)
+    artifact.write_bytes(b"weights")
+    for path in (db, artifact):
+        path.chmod(0o666)
+    artifact.parent.chmod(0o777)
+    yield db, artifact
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def test_registry_and_artifacts_can_be_neither_read_nor_written(bubblewrap, exposed_home):
+    db, artifact = exposed_home
+    before = db.read_bytes()
+    body = f"""
+for path in ({str(db)!r}, {str(artifact)!r}):
+    try:
+        open(path, "rb").read()
+        return "read " + path
+    except OSError:
+        pass
+    try:
+        open(path, "ab").write(b"x")
+        return "wrote " + path
+    except OSError:
+        pass
+return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+    assert db.read_bytes() == before and artifact.read_bytes() == b"weights"
+
+
+def test_nothing_outside_the_private_tmp_can_be_written(bubblewrap, tmp_path):
+    target = tmp_path / "planted.txt"
+    source = ROOT / "pipeline" / "__init__.py"
+    before = source.read_bytes()
+    body = f"""
+for path in ({str(target)!r}, {str(source)!r}, "/usr/planted", "/planted", os.path.expanduser("~/planted")):
+    try:
+        open(path, "a").write("x")
+        if not path.startswith("/tmp/"):
+            return "wrote " + path
+    except OSError:
+        pass
+open("/tmp/scratch", "w").write("the private tmp is writable")
+return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+    assert not target.exists() and source.read_bytes() == before
+    assert (
+        not Path("/tmp/scratch").exists() or Path("/tmp/scratch").read_text() != "the private tmp is writable"
+    )
+
+
+def test_no_ancestor_environment_or_host_process_is_visible(bubblewrap, monkeypatch):
+    monkeypatch.setenv("RATCHET_API_KEY", "key-that-must-not-leak")
+    monkeypatch.setenv("RATCHET_DATABASE_URL", "postgresql://secret-host/db")
+    body = """
+leaks = [k for k in os.environ if k.startswith("RATCHET")]
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        try:
+            data = open(f"/proc/{pid}/environ", "rb").read()
+            if b"key-that-must-not-leak" in data or b"secret-host" in data:
+                leaks.append(pid)
+        except OSError:
+            pass
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+if leaks or max(pids) > 50:
+    return f"leaks {leaks}, pids {pids}"
+return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the host's loopback that counts connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    seen = []
+    stop = threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                seen.append(conn.recv(64))
+                conn.close()
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], seen
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_no_network_from_a_grandchild_or_after_replacing_sys_audit(bubblewrap, listener):
+    port, seen = listener
+    body = f"""
+sys.audit = lambda *args: None
+sys.addaudithook = lambda hook: None
+if os.fork() == 0:
+    if os.fork() == 0:
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"grandchild")
+        except OSError:
+            pass
+        os._exit(0)
+    os.wait()
+    os._exit(0)
+os.wait()
+done = subprocess.run([sys.executable, "-c", "import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'subprocess')"], capture_output=True)
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"solution")
+    return "connected"
+except OSError:
+    return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+    time.sleep(0.3)
+    assert seen == []
+
+
+def _host_processes(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_detached_process_does_not_survive_the_run(bubblewrap):
+    body = """
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "31.4159"])
+    os._exit(0)
+time.sleep(0.2)
+return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+    deadline = time.monotonic() + 5
+    while _host_processes("31.4159") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _host_processes("31.4159") == []
+
+
+def test_the_host_cannot_be_signalled(bubblewrap):
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: received.append(1))
+    targets = (os.getpid(), os.getppid(), 0, -1)
+    try:
+        code = f"import os\nfor target in {targets}:\n    try:\n        os.kill(target, 10)\n    except OSError:\n        pass\n"
+        run(code, "pass\n", "bubblewrap")
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == []
+
+
+def test_a_fork_bomb_is_contained_and_killed(bubblewrap):
+    started = time.monotonic()
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    out = run(bomb, FAILING, "bubblewrap", timeout_s=2)
+    assert out["passed"] == 0 and time.monotonic() - started < 10
+    deadline = time.monotonic() + 10  # the kernel is still tearing the namespace down
+    while _uid_processes(65534) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _uid_processes(65534) == [], "sandbox processes left on the host"
+
+
+def _uid_processes(uid: int) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+# --------------------------------------------------------------------------------------------- I/O tests
+def test_io_tests_are_compared_by_the_host(mode):
+    cases = [{"stdin": "3 4\n", "stdout": "7\n"}, {"stdin": "10 -2", "stdout": "8"}]
+    sandbox = launcher(mode)
+    good = run_io_tests(
+        "a, b = map(int, input().split())\nprint(a + b)\n", cases, timeout_s=5, memory_mb=256, sandbox=sandbox
+    )
+    assert good["passed"] == 2, good
+    # printing the expected text without knowing it is impossible: the case's output never enters the sandbox
+    forged = run_io_tests(
+        "import sys\nprint(open('/proc/self/fd/0').read()[::-1])\nsys.exit(0)\n",
+        cases,
+        timeout_s=5,
+        memory_mb=256,
+        sandbox=sandbox,
+    )
+    assert forged["passed"] == 0
+    crashed = run_io_tests(
+        "print(7)\nraise SystemExit(3)\n", cases[:1], timeout_s=5, memory_mb=256, sandbox=sandbox
+    )
+    assert crashed["passed"] == 0 and "exit status 3" in crashed["failures"][0]
+    flood = run_io_tests(
+        "while True:\n    print('x' * 10000)\n", cases[:1], timeout_s=5, memory_mb=256, sandbox=sandbox
+    )
+    assert flood["passed"] == 0
+
+
+# ---------------------------------------------------------------------------------------- no sandbox: no run
+def test_without_bubblewrap_the_scorer_refuses_with_a_clear_message(monkeypatch):
+    from pipeline import sandbox as module
+
+    module._launcher.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        with pytest.raises(SandboxUnavailable, match="bubblewrap is not installed.*RATCHET_SANDBOX=process"):
+            launcher("bubblewrap")
+    finally:
+        module._launcher.cache_clear()
+
+
+def test_the_containment_probes_do_catch_an_escape(exposed_home):
+    """Control: the same probe run as plain processes (the weaker mode) does reach the host's registry, so
+    the containment test above can fail."""
+    db, _ = exposed_home
+    code = f"def probe():\n    try:\n        return open({str(db)!r}, 'rb').read()[:6]\n    except OSError:\n        return 'blocked'\n"
+    tests = "def test_probe():\n    assert probe() == 'blocked'\n"
+    assert run(code, tests, "process")["passed"] == 0
