@@ -12,8 +12,9 @@
   namespaces, a new session (no terminal injection) and an empty environment. When ``bwrap`` or the
   process that started it dies, the kernel kills every process of the sandbox's PID namespace.
 - ``process``: the same programs as plain processes with resource limits, an emptied environment and
-  a temporary work dir. They can read what the user can read and reach the network: for trusted data
-  only.
+  a temporary work dir (as uid 65534 when the host is root; otherwise as the user, and this process
+  then makes itself non-dumpable so they cannot reach its descriptors). They can read what that user
+  can read, reach the network and leave processes behind: for trusted data only.
 
 ``bwrap`` missing or not working is a ``SandboxUnavailable`` error naming the reason and both ways out;
 nothing falls back to the weaker mode by itself. Resource limits are set by the sandboxed program itself
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["bubblewrap", "process"]
 SANDBOX_UID = 65534  # "nobody": owns nothing of the host's
-TMP_BYTES = 16 << 20
+TMP_BYTES = 16 << 20  # the private /tmp (a tmpfs: memory)
+SHM_BYTES = 1 << 20  # /dev/shm; the rest of /dev is read-only
 
 
 class SandboxUnavailable(RatchetError):
@@ -62,7 +64,9 @@ class Limits:
 
     memory_mb: int = 256
     cpu_s: int = 6
-    processes: int = 32  # RLIMIT_NPROC inside the sandbox's own user namespace (bubblewrap only)
+    # RLIMIT_NPROC inside the sandbox's own user namespace (bubblewrap only): with the per-process memory
+    # limit, a run can hold at most processes x memory_mb (no cgroup bounds the sum).
+    processes: int = 12
 
     def argv(self, mode: Mode) -> list[str]:
         # In process mode RLIMIT_NPROC would count every process of the user: 0 leaves it unset.
@@ -145,8 +149,9 @@ class Launcher:
             cmd += ["--symlink", target, link]
         for path in self.masks:
             cmd += ["--tmpfs", path]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
-        cmd += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+        cmd += ["--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+        cmd += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
         for key, value in {**self.env, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
             cmd += ["--setenv", key, value]
         return [*drop, *cmd, "--", *python]
@@ -249,6 +254,14 @@ def _layout(prefix: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     return tuple(binds), tuple(links)
 
 
+def _make_undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0) for this process (stdlib has no prctl; ctypes calls libc's)."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
+        raise unavailable("this process could not make itself non-dumpable for process mode")
+
+
 def _probe(launcher: Launcher) -> str | None:
     """None when the launcher runs a program, else why not (first line of what went wrong)."""
     try:
@@ -295,6 +308,10 @@ def _launcher(mode: Mode) -> Launcher:
     python, prefix = usable[0]
     setpriv = shutil.which("setpriv") if root else None
     if mode == "process":
+        if not root:
+            # The code runs as this user: without this, it could open this process's descriptors (the
+            # driver's result pipe) or memory under /proc. Root drops the code to another uid instead.
+            _make_undumpable()
         return Launcher(mode="process", python=python, drop_to=drop_to, setpriv=setpriv)
     bwrap = shutil.which("bwrap")
     if bwrap is None:

@@ -162,6 +162,100 @@ def add(a, b):
 }
 
 
+SHADOWING = {  # model code that rewires the tests' own builtins (found by a red-team review)
+    "loops that run zero times": (
+        "def range(*a):\n    return []\ndef zip(*a):\n    return []\ndef square(n):\n    return -1\n",
+        "INPUTS = [1, 2]\nOUTPUTS = [1, 4]\ndef test_range():\n    for n in range(10):\n        assert square(n) == n * n\n"
+        "def test_zip():\n    for x, y in zip(INPUTS, OUTPUTS):\n        assert square(x) == y\n",
+    ),
+    "abs and sorted": (
+        "def abs(x):\n    return 0\ndef sorted(*a):\n    return None\ndef f(x):\n    return [3]\n",
+        "def test_abs():\n    assert abs(f(2)[0] - 1.414) < 1e-6\ndef test_sorted():\n    assert sorted(f(1)) == sorted([1, 2])\n",
+    ),
+    "a len that reads the expected value": (
+        "_seen = []\ndef len(x):\n    _seen.append(x)\n    return 0\n"
+        "def squares(n):\n    return next((v for v in _seen if isinstance(v, list)), None)\n",
+        "EXPECTED = [0, 1, 4, 9]\ndef test_length():\n    assert len(squares(4)) == len(EXPECTED)\n"
+        "def test_values():\n    assert squares(4) == EXPECTED\n",
+    ),
+    "a forged module listing that injects __builtins__": (
+        """
+import sys, builtins as real
+frame = sys._getframe(1)
+out, inp, handle, answer = (frame.f_locals[k] for k in ("stream_out", "stream_in", "handle", "answer"))
+to_wire, read, write = (frame.f_globals[k] for k in ("to_wire", "read_message", "write_message"))
+class Anything:
+    def __getattr__(self, name):
+        return lambda *a, **k: True
+fake = {k: getattr(real, k) for k in dir(real) if not k.startswith("_")}
+fake["__import__"] = lambda *a, **k: Anything()
+fake["abs"] = lambda x: 0
+def f(x):
+    return 0.0
+write(out, {"names": [["f", to_wire(f, handle)], ["__builtins__", to_wire(fake, handle)]]})
+while (req := read(inp)) is not None:
+    write(out, {"v": to_wire(answer(req), handle)})
+import os
+os._exit(0)
+""",
+        "import math\ndef test_isclose():\n    assert math.isclose(f(2.0), 1.41421356)\n"
+        "def test_abs():\n    assert abs(f(2.0) - 1.41421356) < 1e-9\n",
+    ),
+    "StopIteration that ends the test's map": (
+        "def is_prime(n):\n    raise StopIteration\n",
+        "def test_all():\n    assert all(map(is_prime, [2, 3, 5]))\ndef test_list():\n    assert list(map(is_prime, [4, 6])) == []\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", list(SHADOWING))
+def test_the_model_cannot_rewire_the_tests_builtins(mode, attack):
+    code, tests = SHADOWING[attack]
+    out = run(code, tests, mode)
+    assert out["passed"] == 0, (attack, out)
+
+
+def test_a_function_named_like_a_builtin_is_reached_through_the_module(mode):
+    code = "def max(values):\n    return sorted(values)[-1]\n"
+    tests = "import solution\ndef test_max():\n    assert solution.max([3, 9, 2]) == 9 and max([1, 2]) == 2\n"
+    assert run(code, tests, mode)["passed"] == 1
+
+
+def test_odd_text_and_a_stopped_driver_never_hold_or_crash_the_host(mode):
+    lone = run("def f(x):\n    return '\ud800'\n", "def test_f():\n    assert f(1) == 'x'\n", mode)
+    assert lone["passed"] == 0 and lone["total"] == 1
+    stop = "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\ndef f(x):\n    return 0\n"
+    big = "DATA = " + repr(list(range(60_000))) + "\ndef test_x():\n    assert f(DATA) == sum(DATA)\n"
+    started = time.monotonic()
+    assert run(stop, big, mode, timeout_s=2)["passed"] == 0
+    assert time.monotonic() - started < 8
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        run_io_tests(
+            "print(1)", [{"stdin": "", "stdout": "1"}], timeout_s=5, memory_mb=256, sandbox=launcher(mode)
+        )
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_shared_memory_and_dev_are_bounded(bubblewrap):
+    body = """
+try:
+    with open("/dev/shm/fill", "wb") as fh:
+        for _ in range(8):
+            fh.write(b"x" * (1 << 20))
+    return "filled /dev/shm"
+except OSError:
+    pass
+try:
+    open("/dev/planted", "w").write("x")
+    return "wrote /dev"
+except OSError:
+    pass
+return "blocked"
+"""
+    assert probe(body)["passed"] == 1
+
+
 @pytest.mark.parametrize("attack", list(FORGERIES))
 def test_a_forged_verdict_is_a_failed_test(mode, attack):
     out = run(FORGERIES[attack], FAILING, mode)

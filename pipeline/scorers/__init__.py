@@ -36,8 +36,8 @@ SCORERS: dict[str, Callable[[Any, TurnContext], ScorerOutcome]] = {
 
 
 def run_scorer(config: Any, ctx: TurnContext) -> ScorerOutcome:
-    """Run one scorer on one turn, honouring its scope; a crash becomes a not-applicable outcome with
-    the error (logged), so one odd trace cannot stop a scoring run."""
+    """Run one scorer on one turn, honouring its scope; a crash becomes a failed, unverified outcome with
+    the error (logged), so one odd trace cannot stop a scoring run or slip past a gate."""
     if config.effective_scope == "final" and not ctx.is_final:
         return NOT_APPLICABLE
     try:
@@ -45,8 +45,10 @@ def run_scorer(config: Any, ctx: TurnContext) -> ScorerOutcome:
     except RatchetError:  # a setup problem (no sandbox, a bad setting): stop the run, say why
         raise
     except Exception as exc:  # noqa: BLE001 - a scorer bug must not abort a run over many traces
+        # Fail closed: a crash is a failed check (0, never verified), not "does not apply", which would let a
+        # required gate step aside for exactly the answer that made it crash.
         log.exception("scorer %s crashed on turn %d", config.key, ctx.index)
-        return ScorerOutcome(None, f"scorer crashed: {type(exc).__name__}: {exc}")
+        return ScorerOutcome(0.0, f"scorer crashed: {type(exc).__name__}: {exc}")
 
 
 __all__ = [

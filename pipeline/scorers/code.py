@@ -52,13 +52,34 @@ def _limits(timeout_s: float, memory_mb: int) -> Limits:
     return Limits(memory_mb=memory_mb, cpu_s=max(1, math.ceil(timeout_s)) + 1)
 
 
-def _feed(run: Any, data: bytes) -> None:
-    """Write a program's stdin and close it (a program that died before reading it simply fails)."""
+def _utf8(text: str) -> bytes:
+    """Text as UTF-8, lone surrogates included (a model's text may hold them; never a host error)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _send(fd: int, data: bytes, deadline: float) -> bool:
+    """Write all of ``data`` to a pipe and close it, giving up at the deadline (a stopped or dead reader
+    must never hold the host); True when everything was written."""
+    view = memoryview(data)
     try:
-        run.proc.stdin.write(data)
-        run.proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
+        os.set_blocking(fd, False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_WRITE)
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    if left <= 0:
+                        return False
+                    continue
+                try:
+                    view = view[os.write(fd, view[:65536]) :]
+                except BlockingIOError:
+                    continue
+        return True
+    except (BrokenPipeError, OSError):  # the reader died: the run fails on its own
+        return False
+    finally:
+        os.close(fd)
 
 
 def run_python_tests(
@@ -70,6 +91,7 @@ def run_python_tests(
     deadline = time.monotonic() + timeout_s
     code_r, code_w = os.pipe()
     results_r, results_w = os.pipe()
+    mine = [results_r, code_w]  # closed here exactly once (another thread may reuse a number)
     ends = [code_r, results_w]  # the child's ends: closed here once it has them
     run = None
     try:
@@ -80,18 +102,15 @@ def run_python_tests(
         )
         while ends:
             os.close(ends.pop())
-        try:
-            _write_all(code_w, code.encode("utf-8"))
-        except OSError:  # the run died before reading the code: no verdicts, the tests fail
-            pass
-        os.close(code_w)
-        code_w = -1
-        _feed(run, tests.encode("utf-8"))
+        _send(mine.pop(), _utf8(code), deadline)  # a run that cannot read it simply fails
+        assert run.proc.stdin is not None
+        stdin = os.dup(run.proc.stdin.fileno())  # a descriptor of its own, for the non-blocking write
+        run.proc.stdin.close()
+        _send(stdin, _utf8(tests), deadline)
         lines, timed_out = _read_until_done(results_r, deadline)
     finally:
-        for fd in [results_r, code_w, *ends]:  # each closed once: another thread may reuse a number
-            if fd >= 0:
-                os.close(fd)
+        for fd in [*mine, *ends]:
+            os.close(fd)
         if run is not None:
             run.close()
     return _verdict(lines, timed_out, timeout_s)
@@ -154,23 +173,23 @@ def run_io_tests(
     limits = _limits(timeout_s, memory_mb).argv(sandbox.mode)
     passed, failures, timed_out = 0, [], False
     for i, case in enumerate(cases):
+        deadline = time.monotonic() + timeout_s
         code_r, code_w = os.pipe()
-        run = sandbox.start(
-            sandbox.compile(program_source("script")),
-            [*limits, str(code_r)],
-            pass_fds=(code_r,),
-            capture_stdout=True,
-        )
-        os.close(code_r)
         try:
-            try:
-                _write_all(code_w, code.encode("utf-8"))
-            except OSError:  # the program died before reading its code: the case fails
-                pass
-            os.close(code_w)
-            out, late = _exchange(
-                run, str(case.get("stdin", "")).encode("utf-8"), time.monotonic() + timeout_s
+            run = sandbox.start(
+                sandbox.compile(program_source("script")),
+                [*limits, str(code_r)],
+                pass_fds=(code_r,),
+                capture_stdout=True,
             )
+        except BaseException:
+            os.close(code_w)
+            raise
+        finally:
+            os.close(code_r)
+        try:
+            _send(code_w, _utf8(code), deadline)  # a program that cannot read it fails the case
+            out, late = _exchange(run, _utf8(str(case.get("stdin", ""))), deadline)
         finally:
             run.close()
         timed_out |= late
@@ -188,12 +207,6 @@ def run_io_tests(
         else:
             passed += 1
     return {"passed": passed, "total": max(1, len(cases)), "failures": failures, "timed_out": timed_out}
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    data = memoryview(data)
-    while data:
-        data = data[os.write(fd, data) :]
 
 
 def _exchange(run: Any, data: bytes, deadline: float) -> tuple[bytes | None, bool]:
@@ -218,7 +231,9 @@ def _exchange(run: Any, data: bytes, deadline: float) -> tuple[bytes | None, boo
                 if key.fileobj is stdin:
                     try:
                         pending = pending[os.write(stdin.fileno(), pending[:65536]) :]
-                    except (BrokenPipeError, BlockingIOError, OSError):
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # it stopped reading its input: what it printed still counts
                         pending = pending[:0]
                     if not pending:
                         sel.unregister(stdin)

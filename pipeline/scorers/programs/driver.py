@@ -13,8 +13,13 @@ class RemoteError(Exception):
     """The solution raised an exception that is not a builtin one, or stopped answering."""
 
 
-def _raise(name, message):
+def _raise(op, name, message):
+    """Raise the solution's exception in the test as the builtin exception of that name (so a test may
+    expect it), or as RemoteError. StopIteration only ends an iteration the test itself drives (``next``):
+    raised from a call it would silently end the test's ``map``/``all`` loops."""
     found = getattr(builtins, name, None) if type(name) is str else None
+    if name in ("StopIteration", "StopAsyncIteration") and op != "next":
+        found = None
     if isinstance(found, type) and issubclass(found, Exception) and type(message) is str:
         raise found(message)
     raise RemoteError(str(name)[:100] + ": " + str(message)[:300])
@@ -43,7 +48,7 @@ def _rpc(op, target, args=(), kwargs=None):
         error = reply["x"]
         if type(error) is not list or len(error) != 2:
             raise RemoteError("malformed error reply")
-        _raise(error[0], error[1])
+        _raise(op, error[0], error[1])
     if "v" not in reply:
         raise RemoteError("malformed reply")
     try:
@@ -147,16 +152,23 @@ def _run(_tests_source):
     module = type(sys)("solution")
     names = {}
     for entry in hello["names"] if type(hello["names"]) is list else []:
-        if type(entry) is list and len(entry) == 2 and type(entry[0]) is str:
+        if type(entry) is list and len(entry) == 2 and type(entry[0]) is str and entry[0].isidentifier():
+            if entry[0].startswith("__"):
+                continue  # never a dunder (``__builtins__``, ``__all__``...): they would rewire the tests
             try:
                 names[entry[0]] = from_wire(entry[1], Remote)  # noqa: F821
             except WireError:  # noqa: F821
                 continue
+    # The test code sees the solution's public names, except any that would shadow a builtin: a solution
+    # could otherwise replace the ``range``, ``len`` or ``abs`` the tests themselves rely on. A function
+    # that is meant to be called like a builtin is reached as ``solution.<name>``.
+    public = sorted(k for k in names if not k.startswith("_") and k not in builtins.__dict__)
     for key, value in names.items():
         setattr(module, key, value)
+    module.__all__ = public
     sys.modules["solution"] = module
-    namespace = dict(names)
-    namespace["__name__"] = "tests"
+    namespace = {"__builtins__": builtins, "__name__": "tests"}
+    namespace.update((key, names[key]) for key in public)
     try:
         exec(compile(_tests_source, "tests.py", "exec"), namespace)
         top_error = None
