@@ -499,14 +499,16 @@ def test_the_host_cannot_be_signalled(bubblewrap):
 
 
 def test_a_fork_bomb_is_contained_and_killed(bubblewrap):
+    run("def add(a, b):\n    return a + b\n", ADD_TESTS, "bubblewrap")  # a warm zygote, reused below
+    infrastructure = set(_uid_processes(65534))  # the idle zygote's sandbox
     started = time.monotonic()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     out = run(bomb, FAILING, "bubblewrap", timeout_s=2)
     assert out["passed"] == 0 and time.monotonic() - started < 10
-    deadline = time.monotonic() + 10  # the kernel is still tearing the namespace down
-    while _uid_processes(65534) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10  # the kernel is still tearing the job's namespace down
+    while set(_uid_processes(65534)) - infrastructure and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _uid_processes(65534) == [], "sandbox processes left on the host"
+    assert set(_uid_processes(65534)) - infrastructure == set(), "job processes left on the host"
 
 
 def _uid_processes(uid: int) -> list[int]:
@@ -549,15 +551,33 @@ def test_io_tests_are_compared_by_the_host(mode):
 
 # ---------------------------------------------------------------------------------------- no sandbox: no run
 def test_without_bubblewrap_the_scorer_refuses_with_a_clear_message(monkeypatch):
-    from pipeline import sandbox as module
+    from pydantic import TypeAdapter
 
-    module._launcher.cache_clear()
+    from pipeline import sandbox as module
+    from pipeline.contract import Scorer
+    from pipeline.scorers import TurnContext, run_scorer
+    from pipeline.settings import get_settings
+
+    module._checked.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("RATCHET_SANDBOX", "bubblewrap")
+    get_settings.cache_clear()
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    ]
+    ctx = TurnContext(
+        messages=messages, index=1, specialist="coding", metadata={"tests": ADD_TESTS}, is_final=True
+    )
     try:
         with pytest.raises(SandboxUnavailable, match="bubblewrap is not installed.*RATCHET_SANDBOX=process"):
             launcher("bubblewrap")
+        # the scorer does not turn it into "not applicable" or a failed answer: the scoring run stops
+        with pytest.raises(SandboxUnavailable):
+            run_scorer(TypeAdapter(Scorer).validate_python({"kind": "python_tests"}), ctx)
     finally:
-        module._launcher.cache_clear()
+        module._checked.cache_clear()
+        get_settings.cache_clear()
 
 
 def test_the_containment_probes_do_catch_an_escape(exposed_home):
@@ -567,3 +587,36 @@ def test_the_containment_probes_do_catch_an_escape(exposed_home):
     code = f"def probe():\n    try:\n        return open({str(db)!r}, 'rb').read()[:6]\n    except OSError:\n        return 'blocked'\n"
     tests = "def test_probe():\n    assert probe() == 'blocked'\n"
     assert run(code, tests, "process")["passed"] == 0
+
+
+def test_the_sandbox_programs_define_each_top_level_name_once():
+    """The programs run as one concatenated source: a name defined in two files would silently replace
+    the first (the driver's test loop once lost to the zygote's helper this way)."""
+    import ast
+
+    from pipeline.sandbox.programs import HERE, PROGRAMS
+
+    for program, parts in PROGRAMS.items():
+        seen: dict[str, str] = {}
+        for part in parts:
+            for node in ast.parse((HERE / f"{part}.py").read_text()).body:
+                names = []
+                if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                    names = [node.name]
+                elif isinstance(node, ast.Assign):
+                    names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                for name in names:
+                    assert name not in seen or seen[name] == part, (program, name, seen[name], part)
+                    seen[name] = part
+
+
+def test_zygotes_outlive_the_threads_that_used_them(mode):
+    """bwrap dies with the thread that started it: zygotes are started from one long-lived thread, so the
+    scoring pool's workers come and go without taking them along."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    honest = ("def add(a, b):\n    return a + b\n", ADD_TESTS)
+    for _ in range(2):  # each round: new worker threads, then none
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            assert [r["passed"] for r in pool.map(lambda _: run(*honest, mode), range(6))] == [2] * 6
+    assert run(*honest, mode)["passed"] == 2

@@ -32,14 +32,14 @@ import selectors
 import time
 from typing import Any
 
-from pipeline.sandbox import Launcher, Limits, launcher
+from pipeline.sandbox import Launcher, Limits, Zygote, ZygoteLost, launcher, zygote
 from pipeline.scorers.base import NOT_APPLICABLE, ScorerOutcome, TurnContext, fenced_blocks
 from pipeline.scorers.config import PythonTestsScorer
-from pipeline.scorers.programs import program_source
 
 MAX_OUTPUT = 1 << 20  # bytes of a program's output that are read (more is a failure)
 MAX_RESULTS = 1 << 20  # bytes of verdicts a driver may send
 DONE = b'{"done":true}\n'  # the driver's last line
+JOB_GRACE_S = 2.0  # beyond a job's time limit, how long the zygote may take to report its end
 
 
 def extract_code(text: str) -> str:
@@ -85,35 +85,47 @@ def _send(fd: int, data: bytes, deadline: float) -> bool:
 def run_python_tests(
     code: str, tests: str, *, timeout_s: float, memory_mb: int, sandbox: Launcher | None = None
 ) -> dict[str, Any]:
-    """Run assertion ``tests`` against ``code``: ``{passed, total, failures, timed_out}``."""
+    """Run assertion ``tests`` against ``code`` as one sandboxed job: ``{passed, total, failures, timed_out}``."""
     sandbox = sandbox or launcher()
-    limits = _limits(timeout_s, memory_mb).argv(sandbox.mode)
     deadline = time.monotonic() + timeout_s
-    code_r, code_w = os.pipe()
-    results_r, results_w = os.pipe()
-    mine = [results_r, code_w]  # closed here exactly once (another thread may reuse a number)
-    ends = [code_r, results_w]  # the child's ends: closed here once it has them
-    run = None
-    try:
-        run = sandbox.start(
-            sandbox.compile(program_source("tests")),
-            [*limits, str(code_r), str(results_w)],
-            pass_fds=(code_r, results_w),
+    (code_r, code_w), (tests_r, tests_w), (results_r, results_w) = os.pipe(), os.pipe(), os.pipe()
+    with zygote(sandbox) as z:
+        _submit(
+            z,
+            sandbox,
+            "tests",
+            [code_r, tests_r, results_w],
+            [code_w, tests_w, results_r],
+            timeout_s,
+            memory_mb,
         )
-        while ends:
-            os.close(ends.pop())
-        _send(mine.pop(), _utf8(code), deadline)  # a run that cannot read it simply fails
-        assert run.proc.stdin is not None
-        stdin = os.dup(run.proc.stdin.fileno())  # a descriptor of its own, for the non-blocking write
-        run.proc.stdin.close()
-        _send(stdin, _utf8(tests), deadline)
-        lines, timed_out = _read_until_done(results_r, deadline)
-    finally:
-        for fd in [*mine, *ends]:
+        _send(code_w, _utf8(code), deadline)  # a job that cannot read it simply fails
+        _send(tests_w, _utf8(tests), deadline)
+        try:
+            lines, late = _read_until_done(results_r, deadline + JOB_GRACE_S)
+        finally:
+            os.close(results_r)
+        timed_out = _finish(z, deadline)[0]
+    return _verdict(lines, timed_out or late, timeout_s)
+
+
+def _submit(z: Zygote, sandbox: Launcher, kind: str, theirs: list[int], ours: list[int], timeout_s: float,
+            memory_mb: int) -> None:  # fmt: skip
+    """Hand a job's descriptors to the zygote (a zygote found dead is replaced once)."""
+    try:
+        z.submit(kind, theirs, _limits(timeout_s, memory_mb), timeout_s)
+    except ZygoteLost:
+        for fd in ours:
             os.close(fd)
-        if run is not None:
-            run.close()
-    return _verdict(lines, timed_out, timeout_s)
+        raise
+
+
+def _finish(z: Zygote, deadline: float) -> tuple[bool, int | None]:
+    """(timed out, exit status) of the job; a zygote that stopped answering leaves the verdicts read so far."""
+    try:
+        return z.finish(max(0.0, deadline - time.monotonic()) + JOB_GRACE_S)
+    except ZygoteLost:
+        return False, None
 
 
 def _read_until_done(fd: int, deadline: float) -> tuple[list[bytes], bool]:
@@ -168,33 +180,20 @@ def run_io_tests(
     match: str = "lines",
     sandbox: Launcher | None = None,
 ) -> dict[str, Any]:
-    """Run ``code`` as a program once per ``{stdin, stdout}`` case; compare outputs here."""
+    """Run ``code`` as a program once per ``{stdin, stdout}`` case, each a job; compare outputs here."""
     sandbox = sandbox or launcher()
-    limits = _limits(timeout_s, memory_mb).argv(sandbox.mode)
     passed, failures, timed_out = 0, [], False
     for i, case in enumerate(cases):
         deadline = time.monotonic() + timeout_s
-        code_r, code_w = os.pipe()
-        try:
-            run = sandbox.start(
-                sandbox.compile(program_source("script")),
-                [*limits, str(code_r)],
-                pass_fds=(code_r,),
-                capture_stdout=True,
-            )
-        except BaseException:
-            os.close(code_w)
-            raise
-        finally:
-            os.close(code_r)
-        try:
+        (code_r, code_w), (in_r, in_w), (out_r, out_w) = os.pipe(), os.pipe(), os.pipe()
+        with zygote(sandbox) as z:
+            _submit(z, sandbox, "script", [code_r, in_r, out_w], [code_w, in_w, out_r], timeout_s, memory_mb)
             _send(code_w, _utf8(code), deadline)  # a program that cannot read it fails the case
-            out, late = _exchange(run, _utf8(str(case.get("stdin", ""))), deadline)
-        finally:
-            run.close()
+            out, late = _exchange(in_w, out_r, _utf8(str(case.get("stdin", ""))), deadline + JOB_GRACE_S)
+            late_job, status = _finish(z, deadline)
+        late = late or late_job
         timed_out |= late
         expected = str(case.get("stdout", ""))
-        status = run.proc.returncode
         got = out.decode("utf-8", "replace") if out is not None else None
         if late:
             failures.append(f"case {i + 1}: timed out after {timeout_s:g}s")
@@ -209,48 +208,49 @@ def run_io_tests(
     return {"passed": passed, "total": max(1, len(cases)), "failures": failures, "timed_out": timed_out}
 
 
-def _exchange(run: Any, data: bytes, deadline: float) -> tuple[bytes | None, bool]:
-    """Feed ``data`` to the program's stdin while reading its stdout, until it ends or the deadline.
-
-    Returns (output or None when over ``MAX_OUTPUT``, timed out)."""
-    stdin, stdout = run.proc.stdin, run.proc.stdout
+def _exchange(stdin: int, stdout: int, data: bytes, deadline: float) -> tuple[bytes | None, bool]:
+    """Feed ``data`` to a program's stdin while reading its stdout until it closes it or the deadline;
+    both descriptors are closed here. Returns (output, or None when over ``MAX_OUTPUT``; timed out)."""
     out = bytearray()
     pending = memoryview(data)
-    with selectors.DefaultSelector() as sel:
-        sel.register(stdout, selectors.EVENT_READ)
-        if pending:
-            os.set_blocking(stdin.fileno(), False)
-            sel.register(stdin, selectors.EVENT_WRITE)
-        else:
-            stdin.close()
-        while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return bytes(out), True
-            for key, _ in sel.select(left):
-                if key.fileobj is stdin:
-                    try:
-                        pending = pending[os.write(stdin.fileno(), pending[:65536]) :]
-                    except BlockingIOError:
-                        continue
-                    except OSError:  # it stopped reading its input: what it printed still counts
-                        pending = pending[:0]
-                    if not pending:
-                        sel.unregister(stdin)
-                        stdin.close()
-                else:
-                    chunk = os.read(stdout.fileno(), 65536)
-                    if not chunk:
-                        sel.unregister(stdout)
-                        continue
-                    out += chunk
-                    if len(out) > MAX_OUTPUT:
-                        return None, False
     try:
-        run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except Exception:  # noqa: BLE001 - still running after closing its output: over time
-        return bytes(out), True
-    return bytes(out), False
+        with selectors.DefaultSelector() as sel:
+            sel.register(stdout, selectors.EVENT_READ)
+            if pending:
+                os.set_blocking(stdin, False)
+                sel.register(stdin, selectors.EVENT_WRITE)
+            else:
+                os.close(stdin)
+                stdin = -1
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return bytes(out), True
+                for key, _ in sel.select(left):
+                    if key.fd == stdin:
+                        try:
+                            pending = pending[os.write(stdin, pending[:65536]) :]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # it stopped reading its input: what it printed still counts
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(stdin)
+                            os.close(stdin)
+                            stdin = -1
+                    else:
+                        chunk = os.read(stdout, 65536)
+                        if not chunk:
+                            sel.unregister(stdout)
+                            continue
+                        out += chunk
+                        if len(out) > MAX_OUTPUT:
+                            return None, False
+        return bytes(out), False
+    finally:
+        for fd in (stdin, stdout):
+            if fd >= 0:
+                os.close(fd)
 
 
 def same_output(got: str, expected: str, match: str) -> bool:

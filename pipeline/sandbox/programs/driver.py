@@ -133,12 +133,12 @@ def drive(tests_source, to_fd, from_fd, result_fd):
     global _to, _from, _result
     _to, _from, _result = os.fdopen(to_fd, "wb"), os.fdopen(from_fd, "rb"), os.fdopen(result_fd, "wb")
     try:
-        _run(tests_source)
+        _run_tests(tests_source)
     finally:
         _report({"done": True})
 
 
-def _run(_tests_source):
+def _run_tests(_tests_source):
     try:
         hello = read_message(_from)  # noqa: F821
     except WireError as exc:  # noqa: F821
@@ -174,7 +174,7 @@ def _run(_tests_source):
         top_error = None
     except BaseException as exc:  # noqa: BLE001 - a failing top-level assert is a failed test
         top_error = _failure(exc)
-    function = type(_run)
+    function = type(_run_tests)
     tests = [
         (key, value)
         for key, value in namespace.items()

@@ -1,24 +1,25 @@
-"""Running code we do not trust: one bubblewrap sandbox per process, or (explicitly) plain processes.
+"""Starting sandboxed Python programs: under bubblewrap, or (explicitly) as plain processes.
 
 ``launcher()`` returns the ``Launcher`` for the configured mode (``RATCHET_SANDBOX``):
 
-- ``bubblewrap`` (the default): every process runs under Debian's ``bwrap`` in its own user, PID,
-  network, IPC, UTS and mount namespaces: a read-only root made only of ``/usr`` and the Python
-  interpreter's installation (the registry, the artifact store, the project source and everything under
-  ``/home``, ``/root`` or ``/etc`` are not there, or are hidden under an empty tmpfs where they lie below
-  a bound directory), a private size-limited ``/tmp`` as its work dir, a ``/proc`` that shows only its
-  own processes, no network but its own loopback, an unprivileged uid (65534; a root host drops to it
-  before ``bwrap`` starts, so the kernel enforces ``RLIMIT_NPROC``), no capabilities, no further user
-  namespaces, a new session (no terminal injection) and an empty environment. When ``bwrap`` or the
-  process that started it dies, the kernel kills every process of the sandbox's PID namespace.
+- ``bubblewrap`` (the default): the program runs under Debian's ``bwrap`` in its own user, PID, network,
+  IPC, UTS and mount namespaces: a read-only root made only of ``/usr`` and the Python interpreter's
+  installation (the registry, the artifact store, the project source and everything under ``/home``,
+  ``/root`` or ``/etc`` are not there, or are hidden under an empty tmpfs where they lie below a bound
+  directory), a read-only ``/dev``, a ``/proc`` that shows only its own processes, no network but its
+  own loopback, an unprivileged uid (65534; a root host drops to it before ``bwrap`` starts, so the
+  kernel enforces ``RLIMIT_NPROC``), no capabilities, a new session (no terminal injection) and an empty
+  environment. When ``bwrap`` or the process that started it dies, the kernel kills every process of the
+  sandbox's PID namespace. The program run there is the zygote (``pipeline.sandbox.zygote``), which gives
+  every job namespaces of its own inside this sandbox.
 - ``process``: the same programs as plain processes with resource limits, an emptied environment and
   a temporary work dir (as uid 65534 when the host is root; otherwise as the user, and this process
   then makes itself non-dumpable so they cannot reach its descriptors). They can read what that user
   can read, reach the network and leave processes behind: for trusted data only.
 
 ``bwrap`` missing or not working is a ``SandboxUnavailable`` error naming the reason and both ways out;
-nothing falls back to the weaker mode by itself. Resource limits are set by the sandboxed program itself
-(``programs/wire.py``: ``set_limits``) before any untrusted code runs.
+nothing falls back to the weaker mode by itself. Resource limits are set by the sandboxed programs
+themselves (``programs/wire.py``: ``set_limits``) before any untrusted code runs.
 """
 
 from __future__ import annotations
@@ -91,9 +92,8 @@ class Run:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                stream.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -140,7 +140,9 @@ class Launcher:
         if self.mode == "process":
             return [*drop, *python]
         assert self.bwrap is not None
-        cmd = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        # No --disable-userns: the zygote gives each job user, PID, mount and IPC namespaces of its own, and
+        # each job then forbids any further one itself (user.max_user_namespaces = 0).
+        cmd = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent"]
         cmd += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         cmd += ["--hostname", "sandbox"]
         for path in self.binds:
@@ -162,15 +164,14 @@ class Launcher:
         return _compiled(self.python, source)
 
     def start(
-        self, program: bytes, args: list[str], *, pass_fds: tuple[int, ...] = (), capture_stdout: bool = False
+        self, program: bytes, args: list[str], *, pass_fds: tuple[int, ...] = (), capture_stderr: bool = False
     ) -> Run:
-        """Start a compiled program (``compile``); its stdin is a pipe the caller writes and closes, its
-        stdout a pipe (``capture_stdout``) or nothing. Its arguments are ``args``, its descriptors
-        ``pass_fds``."""
+        """Start a compiled program (``compile``) with arguments ``args`` and descriptors ``pass_fds``; its
+        stdin and stdout are nothing, its stderr a pipe (``capture_stderr``) or nothing."""
         code_r, code_w = os.pipe()
         try:
             run = self._spawn(
-                args=[str(code_r), *args], pass_fds=(code_r, *pass_fds), capture_stdout=capture_stdout
+                args=[str(code_r), *args], pass_fds=(code_r, *pass_fds), capture_stderr=capture_stderr
             )
         finally:
             os.close(code_r)
@@ -184,7 +185,7 @@ class Launcher:
             os.close(code_w)
         return run
 
-    def _spawn(self, *, args: list[str], pass_fds: tuple[int, ...], capture_stdout: bool) -> Run:
+    def _spawn(self, *, args: list[str], pass_fds: tuple[int, ...], capture_stderr: bool) -> Run:
         workdir = None
         env = dict(self.env)
         if self.mode == "process":
@@ -197,9 +198,9 @@ class Launcher:
             drop = {"user": self.drop_to, "group": self.drop_to, "extra_groups": []}
         proc = subprocess.Popen(
             self.command(BOOT, args),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
             pass_fds=pass_fds,
             cwd=workdir or "/",
             env=env,
@@ -262,30 +263,6 @@ def _make_undumpable() -> None:
         raise unavailable("this process could not make itself non-dumpable for process mode")
 
 
-def _probe(launcher: Launcher) -> str | None:
-    """None when the launcher runs a program, else why not (first line of what went wrong)."""
-    try:
-        run = launcher.start(launcher.compile("import sys; sys.stdout.write('ok')"), [], capture_stdout=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"could not start {launcher.bwrap or launcher.python}: {exc}"
-    try:
-        assert run.proc.stdin is not None and run.proc.stdout is not None
-        run.proc.stdin.close()
-        out = run.proc.stdout.read()
-        run.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        return "a test run did not finish within 30 s"
-    finally:
-        run.close()
-    if out == b"ok":
-        return None
-    # Run again with stderr to say why (rare path: only when the sandbox does not work).
-    err = subprocess.run(
-        launcher.command("pass", []), capture_output=True, timeout=30, env=launcher.env, cwd="/"
-    ).stderr.decode("utf-8", "replace")
-    return (err.strip().splitlines() or [f"exit status {run.proc.returncode}"])[-1]
-
-
 @functools.cache
 def _compiled(python: str, source: str) -> bytes:
     done = subprocess.run(
@@ -298,8 +275,8 @@ def _compiled(python: str, source: str) -> bytes:
     return done.stdout
 
 
-@functools.cache
-def _launcher(mode: Mode) -> Launcher:
+def build_launcher(mode: Mode) -> Launcher:
+    """The launcher of ``mode`` for this host (not yet tried: ``pipeline.sandbox.launcher()`` does that)."""
     root = os.geteuid() == 0
     drop_to = SANDBOX_UID if root else None
     usable = [(py, prefix) for py, prefix in _interpreters() if not root or _others_can_use(Path(py))]
@@ -322,35 +299,13 @@ def _launcher(mode: Mode) -> Launcher:
         for p in _sensitive_paths()
         if any(p == b or p.startswith(b + "/") for b in binds) and os.path.isdir(p)
     )
-    launcher = Launcher(
+    return Launcher(
         mode="bubblewrap",
         python=python,
         binds=binds,
         symlinks=links,
         masks=masks,
         drop_to=drop_to,
+        setpriv=setpriv,
         bwrap=bwrap,
     )
-    problem = _probe(launcher)
-    if problem is not None:
-        raise unavailable(f"bubblewrap does not work here ({problem})")
-    log.debug("sandbox: bubblewrap with %s, binds %s, masks %s", python, binds, masks)
-    return launcher
-
-
-def launcher(mode: Mode | None = None) -> Launcher:
-    """The launcher of ``mode`` (default: the ``RATCHET_SANDBOX`` setting), checked once per process."""
-    if mode is None:
-        from pipeline.settings import get_settings
-
-        mode = get_settings().sandbox
-    return _launcher(mode)
-
-
-def sandbox_problem(mode: Mode = "bubblewrap") -> str | None:
-    """Why ``mode`` cannot run here, or None when it can (for status lines and test skips)."""
-    try:
-        launcher(mode)
-    except SandboxUnavailable as exc:
-        return str(exc)
-    return None

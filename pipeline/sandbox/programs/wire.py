@@ -207,13 +207,3 @@ def exception_message(exc):
 def exception_text(exc):
     message = exception_message(exc)
     return type(exc).__name__ + (": " + message if message else "")
-
-
-def make_undumpable():
-    """prctl(PR_SET_DUMPABLE, 0): processes of the same uid can no longer trace this one or read its memory
-    and descriptors under /proc. Raises when it cannot be done (the run must not go on unprotected)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")

@@ -1,0 +1,93 @@
+# The kernel calls the sandbox's own programs need and Python's standard library lacks (unshare, mount,
+# capabilities, prctl), through libc with ctypes. Only trusted code calls them, before any untrusted code runs.
+import ctypes
+import os
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc, what):
+    if rc != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, what + ": " + os.strerror(errno))
+
+
+def prctl(option, value):
+    _check(_LIBC.prctl(option, value, 0, 0, 0), "prctl " + str(option))
+
+
+def make_undumpable():
+    """Processes of the same uid can no longer trace this one or open its memory and descriptors."""
+    prctl(PR_SET_DUMPABLE, 0)
+
+
+def _write(path, text):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter_namespaces():
+    """New user, mount, PID, IPC and UTS namespaces for this process (the next fork is PID 1 of the new
+    PID namespace); this user keeps its uid and gid inside, with no other uid mapped."""
+    uid, gid = os.getuid(), os.getgid()
+    _check(_LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", str(uid) + " " + str(uid) + " 1")
+    _write("/proc/self/gid_map", str(gid) + " " + str(gid) + " 1")
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = [None if x is None else x.encode() for x in (source, target, fstype, data)]
+    _check(_LIBC.mount(enc[0], enc[1], enc[2], flags, enc[3]), "mount " + target)
+
+
+def become_job_init(tmp_bytes, shm_bytes):
+    """As PID 1 of the new namespaces: die with the parent, see only this job's processes in /proc, get a
+    private /tmp and /dev/shm, forbid further user namespaces, then give up every capability for good."""
+    prctl(PR_SET_PDEATHSIG, 9)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=" + str(tmp_bytes) + ",mode=1777")
+    _mount(
+        "tmpfs",
+        "/dev/shm",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        "size=" + str(shm_bytes) + ",mode=1777",
+    )
+    _write("/proc/sys/user/max_user_namespaces", "0")
+    for cap in range(64):  # the bounding set: nothing can be regained through an exec
+        if _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability this kernel knows
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
+
+    _check(_LIBC.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    os.chdir("/tmp")
+
+
+def close_all_but(keep):
+    """Close every descriptor of this process except ``keep``."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
