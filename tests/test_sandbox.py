@@ -229,7 +229,10 @@ def test_odd_text_and_a_stopped_driver_never_hold_or_crash_the_host(mode):
     started = time.monotonic()
     assert run(stop, big, mode, timeout_s=2)["passed"] == 0
     assert time.monotonic() - started < 8
-    fds = len(os.listdir("/proc/self/fd"))
+    run_io_tests(
+        "print(1)", [{"stdin": "", "stdout": "1"}], timeout_s=5, memory_mb=256, sandbox=launcher(mode)
+    )
+    fds = len(os.listdir("/proc/self/fd"))  # with the pool's idle zygote's socket
     for _ in range(5):
         run_io_tests(
             "print(1)", [{"stdin": "", "stdout": "1"}], timeout_s=5, memory_mb=256, sandbox=launcher(mode)
@@ -620,3 +623,65 @@ def test_zygotes_outlive_the_threads_that_used_them(mode):
         with ThreadPoolExecutor(max_workers=3) as pool:
             assert [r["passed"] for r in pool.map(lambda _: run(*honest, mode), range(6))] == [2] * 6
     assert run(*honest, mode)["passed"] == 2
+
+
+# ------------------------------------------------------------------ what one job could do to the next (round 2)
+HONEST = ("def add(a, b):\n    return a + b\n", ADD_TESTS)
+
+
+def test_a_program_that_refuses_to_die_is_gone_with_its_namespace(bubblewrap):
+    """An I/O program clears its own parent-death signal and keeps forking busy children: at the limit
+    its whole namespace goes (the untrusted code never runs as the job's PID 1), and later jobs run as fast
+    as ever."""
+    infrastructure = set(_uid_processes(65534))
+    clinger = (
+        "import ctypes, os, time\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\nwhile True:\n    try:\n"
+        "        if os.fork() == 0:\n            while True:\n                pass\n    except OSError:\n        pass\n"
+        "    time.sleep(0.05)\n"
+    )
+    box = launcher("bubblewrap")
+    for _ in range(2):
+        out = run_io_tests(clinger, [{"stdin": "", "stdout": "x"}], timeout_s=1, memory_mb=256, sandbox=box)
+        assert out["passed"] == 0 and out["timed_out"]
+    deadline = time.monotonic() + 10
+    while set(_uid_processes(65534)) - infrastructure and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = set(_uid_processes(65534)) - infrastructure
+    assert len(left) <= 4, left  # at most a fresh zygote's sandbox (bwrap, its init, the zygote)
+    started = time.monotonic()
+    assert run(*HONEST, "bubblewrap")["passed"] == 2 and time.monotonic() - started < 2
+
+
+def test_signals_to_the_job_group_neither_stop_the_clock_nor_kill_the_zygote(mode):
+    """kill(0, ...) from a job reaches only the job's own session: a stopped zygote cannot let a slow
+    answer pass the limit, and a killed one cannot cost the next honest answer its verdict."""
+    slow = (
+        "import os, signal, time\nif os.fork() == 0:\n    time.sleep(0.3)\n    os.kill(0, signal.SIGSTOP)\n"
+        "    os._exit(0)\nos.setpgid(0, 0)\ndef add(a, b):\n    time.sleep(4)\n    return a + b\n"
+    )
+    out = run(slow, "def test_add():\n    assert add(1, 2) == 3\n", mode, timeout_s=2)
+    assert out["passed"] == 0 and out["timed_out"], out
+    killer = "import os, signal\nos.kill(0, signal.SIGKILL)\ndef add(a, b):\n    return a + b\n"
+    for _ in range(3):
+        run(killer, ADD_TESTS, mode)
+        assert run(*HONEST, mode)["passed"] == 2
+
+
+def test_memory_outside_the_limits_and_keyrings_are_refused(mode):
+    body = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+reached = []
+try:
+    os.memfd_create("fill")
+    reached.append("memfd")
+except OSError:
+    pass
+if libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", b"CHAN", b"secret", 6, -4) >= 0:
+    reached.append("add_key")
+return "blocked" if not reached else str(reached)
+"""
+    code = "import os, socket, subprocess, sys, time\n\ndef probe():\n" + "".join(
+        f"    {line}\n" for line in body.strip().splitlines()
+    )
+    assert run(code, "def test_probe():\n    assert probe() == 'blocked', probe()\n", mode)["passed"] == 1

@@ -42,7 +42,8 @@ from pipeline.errors import RatchetError
 log = logging.getLogger(__name__)
 
 Mode = Literal["bubblewrap", "process"]
-SANDBOX_UID = 65534  # "nobody": owns nothing of the host's
+SANDBOX_UID = 65534  # "nobody": owns nothing of the host's (a root host drops to it for bubblewrap)
+PROCESS_UID = 65533  # what a root host drops to in process mode: never the uid bubblewrap zygotes run as
 TMP_BYTES = 16 << 20  # the private /tmp (a tmpfs: memory)
 SHM_BYTES = 1 << 20  # /dev/shm; the rest of /dev is read-only
 
@@ -278,7 +279,7 @@ def _compiled(python: str, source: str) -> bytes:
 def build_launcher(mode: Mode) -> Launcher:
     """The launcher of ``mode`` for this host (not yet tried: ``pipeline.sandbox.launcher()`` does that)."""
     root = os.geteuid() == 0
-    drop_to = SANDBOX_UID if root else None
+    drop_to = (SANDBOX_UID if mode == "bubblewrap" else PROCESS_UID) if root else None
     usable = [(py, prefix) for py, prefix in _interpreters() if not root or _others_can_use(Path(py))]
     if not usable:
         raise unavailable(f"no Python interpreter that uid {SANDBOX_UID} may read (tried: {_interpreters()})")

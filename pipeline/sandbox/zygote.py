@@ -62,7 +62,8 @@ class Zygote:
         return cls(launcher, run, ours)
 
     def submit(self, kind: str, fds: list[int], limits: Limits, timeout_s: float) -> None:
-        """Start a job (``tests`` or ``script``) on the child ends ``fds``; they are closed here once sent."""
+        """Start a job (``tests`` or ``script``) on the child ends ``fds`` (sent as copies: the caller
+        closes its own, and may hand them to another zygote if this one is gone)."""
         numbers = limits.argv(self.launcher.mode)
         message = " ".join([kind, *numbers, str(max(1, int(timeout_s * 1000)))]).encode()
         try:
@@ -70,9 +71,6 @@ class Zygote:
         except OSError as exc:
             self.broken = True
             raise ZygoteLost(f"the zygote is gone ({exc})") from None
-        finally:
-            for fd in fds:
-                os.close(fd)
         self.jobs += 1
 
     def finish(self, timeout_s: float) -> tuple[bool, int | None]:
@@ -82,10 +80,11 @@ class Zygote:
             reply = self.control.recv(64).decode()
         except (OSError, TimeoutError):
             reply = ""
-        if not reply:
+        if not reply or reply == "lost":
             self.broken = True
             raise ZygoteLost("the zygote did not report the end of the job")
-        if reply == "timeout":
+        if reply == "timeout":  # the job is gone with its namespace; retiring the zygote costs ~20 ms
+            self.broken = True
             return True, None
         return False, int(reply.split()[1])
 
@@ -195,6 +194,8 @@ def probe(launcher: Launcher) -> str | None:
     try:
         fds = [os.pipe() for _ in range(3)]  # code, tests, results
         z.submit("tests", [fds[0][0], fds[1][0], fds[2][1]], Limits(), 30.0)
+        for theirs in (fds[0][0], fds[1][0], fds[2][1]):
+            os.close(theirs)
         for write in (fds[0][1], fds[1][1]):
             os.write(write, b"x = 1\n")
             os.close(write)

@@ -24,12 +24,14 @@ result, so results are kept for the life of the process (timeouts excepted).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import selectors
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from pipeline.sandbox import Launcher, Limits, Zygote, ZygoteLost, launcher, zygote
@@ -85,47 +87,54 @@ def _send(fd: int, data: bytes, deadline: float) -> bool:
 def run_python_tests(
     code: str, tests: str, *, timeout_s: float, memory_mb: int, sandbox: Launcher | None = None
 ) -> dict[str, Any]:
-    """Run assertion ``tests`` against ``code`` as one sandboxed job: ``{passed, total, failures, timed_out}``."""
+    """Run assertion ``tests`` against ``code`` as one sandboxed job: ``{passed, total, failures, timed_out}``.
+    Verdicts reported after the time limit do not count."""
     sandbox = sandbox or launcher()
     deadline = time.monotonic() + timeout_s
     (code_r, code_w), (tests_r, tests_w), (results_r, results_w) = os.pipe(), os.pipe(), os.pipe()
-    with zygote(sandbox) as z:
-        _submit(
-            z,
-            sandbox,
-            "tests",
-            [code_r, tests_r, results_w],
-            [code_w, tests_w, results_r],
-            timeout_s,
-            memory_mb,
-        )
+    with _job(
+        sandbox, "tests", [code_r, tests_r, results_w], [code_w, tests_w, results_r], timeout_s, memory_mb
+    ) as z:
         _send(code_w, _utf8(code), deadline)  # a job that cannot read it simply fails
         _send(tests_w, _utf8(tests), deadline)
         try:
-            lines, late = _read_until_done(results_r, deadline + JOB_GRACE_S)
+            lines, late = _read_until_done(results_r, deadline)
         finally:
             os.close(results_r)
         timed_out = _finish(z, deadline)[0]
     return _verdict(lines, timed_out or late, timeout_s)
 
 
-def _submit(z: Zygote, sandbox: Launcher, kind: str, theirs: list[int], ours: list[int], timeout_s: float,
-            memory_mb: int) -> None:  # fmt: skip
-    """Hand a job's descriptors to the zygote (a zygote found dead is replaced once)."""
-    try:
-        z.submit(kind, theirs, _limits(timeout_s, memory_mb), timeout_s)
-    except ZygoteLost:
-        for fd in ours:
-            os.close(fd)
-        raise
+@contextlib.contextmanager
+def _job(
+    sandbox: Launcher, kind: str, theirs: list[int], ours: list[int], timeout_s: float, memory_mb: int
+) -> Iterator[Zygote]:
+    """A zygote running one job on the child ends ``theirs`` (closed here once handed over); ``ours`` are
+    closed when no zygote takes it. A zygote found dead is replaced once."""
+    limits = _limits(timeout_s, memory_mb)
+    for attempt in (1, 2):
+        with zygote(sandbox) as z:
+            try:
+                z.submit(kind, theirs, limits, timeout_s)
+            except ZygoteLost:
+                if attempt == 1:
+                    continue
+                for fd in [*theirs, *ours]:
+                    os.close(fd)
+                raise
+            for fd in theirs:
+                os.close(fd)
+            yield z
+            return
 
 
 def _finish(z: Zygote, deadline: float) -> tuple[bool, int | None]:
-    """(timed out, exit status) of the job; a zygote that stopped answering leaves the verdicts read so far."""
+    """(timed out, exit status) of the job. A zygote that stopped answering leaves the verdicts read so far;
+    past the deadline that counts as a timeout."""
     try:
         return z.finish(max(0.0, deadline - time.monotonic()) + JOB_GRACE_S)
     except ZygoteLost:
-        return False, None
+        return time.monotonic() >= deadline, None
 
 
 def _read_until_done(fd: int, deadline: float) -> tuple[list[bytes], bool]:
@@ -186,10 +195,9 @@ def run_io_tests(
     for i, case in enumerate(cases):
         deadline = time.monotonic() + timeout_s
         (code_r, code_w), (in_r, in_w), (out_r, out_w) = os.pipe(), os.pipe(), os.pipe()
-        with zygote(sandbox) as z:
-            _submit(z, sandbox, "script", [code_r, in_r, out_w], [code_w, in_w, out_r], timeout_s, memory_mb)
+        with _job(sandbox, "script", [code_r, in_r, out_w], [code_w, in_w, out_r], timeout_s, memory_mb) as z:
             _send(code_w, _utf8(code), deadline)  # a program that cannot read it fails the case
-            out, late = _exchange(in_w, out_r, _utf8(str(case.get("stdin", ""))), deadline + JOB_GRACE_S)
+            out, late = _exchange(in_w, out_r, _utf8(str(case.get("stdin", ""))), deadline)
             late_job, status = _finish(z, deadline)
         late = late or late_job
         timed_out |= late

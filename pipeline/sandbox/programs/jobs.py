@@ -1,5 +1,6 @@
-# One job, run as the first process of its own namespaces (bubblewrap mode) or of its own session (process
-# mode). Limits are set and, for a test run, this process is made non-dumpable before anything untrusted runs.
+# One job, run by the first process of its own namespaces (bubblewrap mode) or of its own session (process
+# mode). That process is trusted and made non-dumpable; the untrusted part of every job runs in a child of
+# it, with the limits set before it starts.
 
 
 def tests_job(code_fd, tests_fd, result_fd, memory, cpu, processes):
@@ -30,9 +31,27 @@ def tests_job(code_fd, tests_fd, result_fd, memory, cpu, processes):
 
 
 def script_job(code_fd, stdin_fd, stdout_fd, memory, cpu, processes):
-    """One I/O case: the model's code as ``__main__`` with the case's input on stdin and its output on
-    stdout; the host compares the output with the expected one, which never enters the sandbox. Exits
-    with the program's status."""
+    """One I/O case: the model's code as ``__main__`` in a child of this (trusted) process, with the case's
+    input on stdin and its output on stdout; the host compares the output with the expected one, which
+    never enters the sandbox. Returns the program's exit status."""
+    import os
+
+    make_undumpable()  # noqa: F821 - from kernel.py
+    program = os.fork()
+    if program == 0:
+        status = 1
+        try:
+            status = _run_script(code_fd, stdin_fd, stdout_fd, memory, cpu, processes)
+        finally:
+            os._exit(status)
+    for fd in (code_fd, stdin_fd, stdout_fd):
+        os.close(fd)
+    _, wait = os.waitpid(program, 0)
+    code = os.waitstatus_to_exitcode(wait)
+    return code if 0 <= code < 250 else 128 + (-code & 0x7F)
+
+
+def _run_script(code_fd, stdin_fd, stdout_fd, memory, cpu, processes):
     import os
     import sys
 
@@ -57,4 +76,4 @@ def script_job(code_fd, stdin_fd, stdout_fd, memory, cpu, processes):
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001 - its output is already what it is
         pass
-    os._exit(status & 0xFF)
+    return status & 0xFF

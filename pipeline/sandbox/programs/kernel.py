@@ -25,6 +25,11 @@ def make_undumpable():
     prctl(PR_SET_DUMPABLE, 0)
 
 
+def make_dumpable():
+    """Undo ``make_undumpable`` (a process must be dumpable to write its own uid map)."""
+    prctl(PR_SET_DUMPABLE, 1)
+
+
 def _write(path, text):
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -91,3 +96,57 @@ def close_all_but(keep):
                 os.close(fd)
             except OSError:
                 pass
+
+
+# Syscalls a job never needs and that reach outside the limits or other processes: memory that no rlimit
+# counts (memfd), kernel keyrings (shared by every process of the uid, so by concurrent jobs), io_uring,
+# userfaultfd, perf and bpf, tracing and another process's memory or descriptors.
+_DENIED = {
+    # machine: (audit arch, x32 numbers to refuse, syscall numbers)
+    "x86_64": (
+        0xC000003E,
+        True,
+        (101, 310, 311, 312, 319, 321, 323, 298, 248, 249, 250, 425, 426, 427, 438, 447),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        False,
+        (117, 270, 271, 272, 279, 280, 282, 241, 217, 218, 219, 425, 426, 427, 438, 447),
+    ),
+}
+
+
+def deny_syscalls():
+    """Install a seccomp filter (this process and its children, for good) refusing ``_DENIED`` with EPERM,
+    and every syscall made through another ABI (i386 or x32). Raises on a machine it has no table for."""
+    import struct
+
+    machine = os.uname().machine
+    if machine not in _DENIED:
+        raise OSError(0, "no syscall table for " + machine)
+    arch, x32, numbers = _DENIED[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    body = [(ld, 0, 0, 4), ("jeq-arch", arch), (ld, 0, 0, 0)]  # seccomp_data: nr at 0, arch at 4
+    if x32:
+        body.append(("jge-deny", 0x40000000))
+    body += [("jeq-deny", n) for n in numbers]
+    deny = len(body) + 1  # the instruction after the final "allow"
+    program = []
+    for i, item in enumerate(body):
+        if item[0] == "jeq-arch":  # another ABI: refused
+            program.append(struct.pack("HBBI", jeq, 0, deny - (i + 1), item[1]))
+        elif item[0] in ("jeq-deny", "jge-deny"):
+            program.append(
+                struct.pack("HBBI", jge if item[0] == "jge-deny" else jeq, deny - (i + 1), 0, item[1])
+            )
+        else:
+            program.append(struct.pack("HBBI", *item))
+    program.append(struct.pack("HBBI", ret, 0, 0, 0x7FFF0000))  # SECCOMP_RET_ALLOW
+    program.append(struct.pack("HBBI", ret, 0, 0, 0x00050000 | 1))  # SECCOMP_RET_ERRNO | EPERM
+    buffer = ctypes.create_string_buffer(b"".join(program))
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _check(_LIBC.prctl(22, 2, ctypes.byref(Program(len(program), ctypes.addressof(buffer))), 0, 0), "seccomp")

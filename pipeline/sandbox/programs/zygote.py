@@ -2,9 +2,13 @@
 # fd, "namespaces" or "plain", tmpfs bytes, shm bytes. A request on the control socket is the text
 # "tests|script memory cpu processes timeout_ms" with three descriptors (SCM_RIGHTS); the zygote never reads
 # what they carry. Per job it forks an entry process that (with "namespaces") enters new user, mount, PID,
-# IPC and UTS namespaces and forks the job's PID 1; that process mounts a private /proc, /tmp and /dev/shm,
-# drops every capability and runs the job. At the time limit the entry is killed, and with it (parent-death
-# signal, then the PID namespace) every process of the job. The reply is "done STATUS" or "timeout".
+# IPC and UTS namespaces and forks the job's PID 1: trusted code that mounts a private /proc, /tmp and
+# /dev/shm, drops every capability, starts a session of its own (no signal of the job reaches the zygote or
+# the entry), refuses a few syscalls for good (kernel.deny_syscalls) and runs the job, whose untrusted part
+# always runs in a child of it. The entry enforces the
+# time limit by killing PID 1 -- which takes every process of the job's PID namespace with it -- and reports
+# once PID 1 is gone, that is once the namespace is empty. The reply is "done STATUS", "timeout" or, when
+# even the entry had to be killed, "lost" (the host then retires this zygote).
 import os
 import select
 import signal
@@ -17,41 +21,62 @@ _tmp_bytes, _shm_bytes = int(sys.argv[3]), int(sys.argv[4])
 _null = os.open("/dev/null", os.O_RDWR)
 for _fd in (0, 1):
     os.dup2(_null, _fd)
+TIMED_OUT = 250  # the entry's exit status when it had to kill the job
+BACKSTOP_S = 5.0  # beyond the limit, how long the entry itself may take
 
 
 def _start_job(kind, fds, limits):
-    """Set up the job's first process and run the job: returns only through os._exit."""
+    """The job's PID 1 (trusted): set up, then run the job; returns only through os._exit."""
     try:
         if _isolate:
             become_job_init(_tmp_bytes, _shm_bytes)  # noqa: F821 - from kernel.py
-        else:
-            os.setsid()  # the job's session: what it leaves behind there is killed with it
+        os.setsid()
+        deny_syscalls()  # noqa: F821 - from kernel.py
         job = tests_job if kind == "tests" else script_job  # noqa: F821 - from jobs.py
-        job(*fds, *limits)
+        os._exit(job(*fds, *limits) or 0)
     finally:
-        os._exit(0)
+        os._exit(111)
 
 
-def _entry(kind, fds, limits):
-    """With namespaces: the job's entry, which enters them and forks the job's PID 1 (returns only through
-    os._exit, with that process's status); without: the job's first process itself."""
-    _sock.close()
-    if not _isolate:
-        _start_job(kind, fds, limits)
+def _wait(pid, timeout_s):
+    """(exit status, timed out) of a child, killing it at the limit."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout_s))
+    finally:
+        os.close(pidfd)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    _, wait = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(wait), not ready
+
+
+def _entry(kind, fds, limits, timeout_s):
+    """Enter the job's namespaces, fork its PID 1, enforce the limit; exits with PID 1's status (or
+    TIMED_OUT), only after PID 1 -- and with it the whole job -- is gone."""
     status = 111
     try:
-        enter_namespaces()  # noqa: F821 - from kernel.py
+        _sock.close()
+        if _isolate:
+            make_dumpable()  # noqa: F821 - from kernel.py (a non-dumpable process cannot write its uid map)
+            enter_namespaces()  # noqa: F821 - from kernel.py
         init = os.fork()
         if init == 0:
             _start_job(kind, fds, limits)
         for fd in fds:
             os.close(fd)
-        _, wait = os.waitpid(init, 0)
-        status = os.waitstatus_to_exitcode(wait)
+        code, late = _wait(init, timeout_s)
+        if not _isolate:  # without namespaces, what the job left in its session goes with it
+            try:
+                os.killpg(init, signal.SIGKILL)
+            except OSError:
+                pass
+        status = TIMED_OUT if late else code if 0 <= code < TIMED_OUT else 128 + (-code & 0x7F)
     finally:
-        os._exit(status if 0 <= status < 256 else 128 + (-status & 0x7F))
+        os._exit(status)
 
 
+make_undumpable()  # noqa: F821 - from kernel.py: no process of this uid may trace the zygote
 while True:
     try:
         _message, _fds, _, _ = socket.recv_fds(_sock, 256, 3)
@@ -63,21 +88,11 @@ while True:
     _memory, _cpu, _processes, _timeout_ms = (int(x) for x in _numbers)
     _pid = os.fork()
     if _pid == 0:
-        _entry(_kind, _fds, (_memory, _cpu, _processes))
+        _entry(_kind, _fds, (_memory, _cpu, _processes), _timeout_ms / 1000)
     for _fd in _fds:
         os.close(_fd)
-    _pidfd = os.pidfd_open(_pid)
-    _ready, _, _ = select.select([_pidfd], [], [], _timeout_ms / 1000)
-    if not _ready:  # over time: the entry, its PID 1 (parent-death signal) and the job's namespaces go
-        os.kill(_pid, signal.SIGKILL)
-    _, _wait = os.waitpid(_pid, 0)
-    os.close(_pidfd)
-    if not _isolate:  # without namespaces, what the job left in its session goes with it
-        try:
-            os.killpg(_pid, signal.SIGKILL)
-        except OSError:
-            pass
-    _reply = "done " + str(os.waitstatus_to_exitcode(_wait)) if _ready else "timeout"
+    _status, _lost = _wait(_pid, _timeout_ms / 1000 + BACKSTOP_S)
+    _reply = "lost" if _lost else "timeout" if _status == TIMED_OUT else "done " + str(_status)
     try:
         _sock.send(_reply.encode())
     except OSError:
