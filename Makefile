@@ -50,6 +50,8 @@ bench: install
 	$(PY) bench/train.py
 	$(PY) bench/overhead.py
 	$(PY) bench/serve.py
+	$(PY) bench/sandbox.py
+	$(PY) bench/gates.py
 
 clean:
 	rm -rf .ratchet .pytest_cache build *.egg-info

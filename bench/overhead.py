@@ -1,6 +1,6 @@
 """Share of one demo generation's wall time spent outside model compute.
 
-Usage: python bench/overhead.py [--prompts 1500] [--samples 4] [--home DIR]
+Usage: python bench/overhead.py [--prompts 3000] [--samples 4] [--home DIR]
 
 Registers the demo lineage (building the tiny base if needed, not timed), warms the process up the
 way any earlier generation in it would have (importing torch, transformers, peft, datasets and mlflow
@@ -24,10 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pipeline.candidate import AdvanceConfig  # noqa: E402 - light: dataclasses only
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=1500)
+    parser.add_argument("--prompts", type=int, default=AdvanceConfig.prompts_per_specialist)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--home", default=None, help="RATCHET_HOME (default: a temporary directory)")
     args = parser.parse_args()
@@ -36,7 +38,6 @@ def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-    from pipeline.candidate import AdvanceConfig
     from pipeline.cli.advance import ensure_base_model, make_tracker
     from pipeline.clock import CLOCK
     from pipeline.lineage import init_lineage

@@ -30,7 +30,10 @@ class AdvanceConfig:
     """Knobs of one advancement cycle (the signature is the config; the CLI exposes the main ones)."""
 
     lineage: str = "main"
-    prompts_per_specialist: int = 1500  # prompts sampled from the environment's training stream
+    # Prompts sampled from the environment's training stream. Measured on the demo (honest split, 300
+    # held-out items): 1,500 gave +0.01..+0.03 per generation, inside the gate's noise; 3,000 gave
+    # +0.037, +0.039, +0.054, each significant (as in the notes: more verified attempts per generation).
+    prompts_per_specialist: int = 3000
     samples_per_prompt: int = 4  # k attempts per prompt, all recorded as experience
     temperature: float = 0.7  # sampling temperature of collection (evaluation is greedy)
     min_examples: int = 16  # a specialist with fewer curated examples keeps its parent's adapter

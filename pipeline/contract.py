@@ -146,15 +146,27 @@ class SelectionRules(StrictModel):
 
 
 class PromotionGates(StrictModel):
-    """When a candidate generation may replace its parent (compared on the held-out suites)."""
+    """When a candidate generation may replace its parent (compared on the held-out suites, in one run).
+
+    The improvement test is one-sided on the paired per-item differences (the overall delta is the mean of
+    the specialists' mean differences, its standard error from their item-level variances). Its error rate
+    is spent over the attempts made against the same champion: attempt ``k`` since the last promotion is
+    tested at ``false_promotion_rate * 6 / (pi**2 * k**2)``, which sums to ``false_promotion_rate`` over any
+    number of attempts, so a candidate no better than its parent is promoted with at most that probability
+    however often the lineage tries (the held-out suite is reused; the bound does not need the attempts to
+    be independent)."""
 
     min_improvement: float = Field(
         default=0.0,
-        description="The candidate's overall held-out mean must exceed the parent's by at least this (delta).",
+        ge=0.0,
+        description="The candidate's overall held-out mean must exceed the parent's by more than this (delta).",
     )
-    require_significant: bool = Field(
-        default=True,
-        description="Also require the lower end of the delta's bootstrap interval (at `confidence`) to be above 0.",
+    false_promotion_rate: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="Bound on the chance that any promotion of the lineage is of a candidate no better than "
+        "its parent, over all attempts since the last promotion (alpha spending).",
     )
     max_regression: float = Field(
         default=0.02, ge=0.0, description="Largest allowed drop of any specialist's mean score."
@@ -162,16 +174,63 @@ class PromotionGates(StrictModel):
     max_regression_per_specialist: dict[str, float] = Field(
         default_factory=dict, description="Per-specialist tolerances overriding `max_regression`."
     )
-    min_heldout_samples: int = Field(default=20, ge=1, description="Minimum held-out items per specialist.")
-    confidence: float = Field(
-        default=0.95, gt=0.5, lt=1.0, description="Confidence level of the bootstrap interval."
+    regression_error_rate: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="Chance, per attempt and specialist, that a specialist truly worse than its parent by "
+        "more than its tolerance passes the regression rule (one-sided non-inferiority test: the lower "
+        "confidence bound of its delta must stay above minus the tolerance).",
     )
-    bootstrap_samples: int = Field(default=1000, ge=100, description="Bootstrap resamples for the interval.")
-    seed: int = Field(default=0, description="Seed of the bootstrap resampling (reproducible decisions).")
+    min_heldout_samples: int = Field(default=20, ge=2, description="Minimum held-out items per specialist.")
 
     def tolerance(self, specialist: str) -> float:
         """The regression tolerance of ``specialist``."""
         return self.max_regression_per_specialist.get(specialist, self.max_regression)
+
+    def attempt_rate(self, attempt: int) -> float:
+        """The error rate the improvement test of attempt ``attempt`` (1, 2, ... since the last promotion)
+        may use: ``false_promotion_rate * 6 / (pi**2 * attempt**2)``."""
+        import math
+
+        return self.false_promotion_rate * 6 / (math.pi**2 * max(1, attempt) ** 2)
+
+
+class Decontamination(StrictModel):
+    """How a text is found to contain a held-out item (the check LLM evaluations use to decontaminate)."""
+
+    ngram: int = Field(
+        default=8,
+        ge=2,
+        le=64,
+        description="Word n-gram size. Texts are compared as words and punctuation after Unicode NFKC "
+        "normalisation and case folding, whatever the whitespace or content-part layout.",
+    )
+    threshold: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="A text contains a held-out prompt when at least this share of the prompt's n-grams "
+        "occur in it; a prompt shorter than `ngram` words (but of 3 or more) must occur in it whole, and a "
+        "shorter one must be a whole message. Lower is stricter (more is excluded).",
+    )
+
+
+class RoutingSuite(StrictModel):
+    """Labelled requests that measure the router: written differently from the harness's signal patterns."""
+
+    prompts: dict[Name, list[Annotated[str, Field(min_length=1)]]] = Field(
+        min_length=1,
+        description="Per specialist, user requests it should serve (paraphrases, other wording, mixed "
+        "requests). Held out: never trained on, never an exemplar.",
+    )
+    max_accuracy_drop: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=1.0,
+        description="A candidate whose router accuracy on this suite is lower than its parent's by more than "
+        "this is not promoted.",
+    )
 
 
 class HeldoutSuite(StrictModel):
@@ -215,6 +274,13 @@ class ContractSpec(StrictModel):
     selection: SelectionRules = Field(default_factory=SelectionRules, description="Training-data selection.")
     promotion: PromotionGates = Field(default_factory=PromotionGates, description="Promotion gates.")
     heldout: list[HeldoutSuite] = Field(default_factory=list, description="Held-out evaluation suites.")
+    decontamination: Decontamination = Field(
+        default_factory=Decontamination,
+        description="How experience is found to contain a held-out item (it is then never learned from).",
+    )
+    routing: RoutingSuite | None = Field(
+        default=None, description="The labelled routing suite the router is measured and gated on."
+    )
 
     @model_validator(mode="after")
     def _names(self) -> ContractSpec:
@@ -234,6 +300,12 @@ class ContractSpec(StrictModel):
             for i, s in enumerate(self.heldout)
             if s.specialist not in self.specialists
         ]
+        if self.routing is not None:
+            problems += [
+                f"routing.prompts: {n!r} is not a declared specialist"
+                for n in self.routing.prompts
+                if n not in self.specialists
+            ]
         if problems:
             raise ValueError("; ".join(problems) + f" (declared: {', '.join(known)})")
         return self
@@ -286,6 +358,14 @@ def verify_suites(contract: ContractSpec, contract_path: str | Path) -> list[Pat
     return out
 
 
+# Promotion settings of the first contract schema, replaced by the attempt-aware test; a stored contract
+# that has them still reads (they are dropped: the gate they configured no longer exists).
+LEGACY_PROMOTION_KEYS = ("require_significant", "confidence", "bootstrap_samples", "seed")
+
+
 def stored_contract(spec: dict[str, Any]) -> ContractSpec:
     """A contract as the registry stores it (its validated JSON), read back."""
+    promotion = spec.get("promotion")
+    if isinstance(promotion, dict) and any(k in promotion for k in LEGACY_PROMOTION_KEYS):
+        spec = {**spec, "promotion": {k: v for k, v in promotion.items() if k not in LEGACY_PROMOTION_KEYS}}
     return ContractSpec.model_validate(spec)

@@ -1,7 +1,15 @@
-"""Curation: turn scored experience into one SFT dataset per specialist under the contract's selection rules.
+"""Curation: scored experience becomes one SFT dataset per specialist, under the contract's selection rules.
 
-Held-out items never reach a training set: a trace is excluded when its metadata marks it held-out,
-when it came from an evaluation run, or when its prompt is one of the held-out suites' prompts.
+A trace may be learned from only when the contract verified it -- a verifying scorer (a reference answer,
+tests that ran, a schema, an expected call, a judge's verdict, a user's rating) checked its final turn --
+or when a user's correction, itself scored under the contract, passed; it must also reach the selection
+threshold and must not be held out. ``load_candidates`` is where every consumer of experience (curation,
+co-design exemplars, router training data) gets its traces: it applies the held-out predicate
+(``pipeline.heldout``) and counts, per specialist, every turn it leaves out and why.
+
+Reasons a turn is dropped, in the order they are decided: ``specialist not trained``, ``source not
+selected``, ``unverified`` (no verifying scorer applied, no accepted correction), ``below threshold``,
+``held-out``, ``correction failed the contract``, ``no assistant turn``, ``duplicate``, ``over cap``.
 """
 
 from __future__ import annotations
@@ -9,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +27,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from pipeline.candidate import AdvanceConfig, Progress
+    from pipeline.heldout import HeldoutIndex
     from pipeline.registry import Generation
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,28 @@ class Candidate:
     metadata: dict[str, Any]
     feedback: Any
     source: str
+    verified: bool = False
+    correction: dict[str, Any] | None = None  # the correction's score (``scoring.corrected_trace``)
+    content_hash: str = ""  # the stored trace's content address (what the held-out answer is kept under)
+
+
+@dataclass
+class Drops:
+    """How many turns were left out, per specialist and reason."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, specialist: str, reason: str, n: int = 1) -> None:
+        per = self.counts.setdefault(specialist, {})
+        per[reason] = per.get(reason, 0) + n
+
+    def merge(self, other: Drops) -> None:
+        for specialist, reasons in other.counts.items():
+            for reason, n in reasons.items():
+                self.add(specialist, reason, n)
+
+    def total(self, reason: str) -> int:
+        return sum(per.get(reason, 0) for per in self.counts.values())
 
 
 @dataclass
@@ -43,10 +73,7 @@ class CurationResult:
     """What curation kept per specialist, and why the rest was left out."""
 
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    dropped: dict[str, int] = field(default_factory=dict)
-
-    def drop(self, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+    dropped: Drops = field(default_factory=Drops)
 
 
 def prompt_key(messages: list[dict[str, Any]]) -> str:
@@ -64,58 +91,81 @@ def _content_key(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
 
 
-def is_heldout(candidate: Candidate, heldout_prompts: set[str]) -> bool:
-    """Whether a trace belongs to evaluation and must never be trained on."""
-    return (
-        candidate.metadata.get("split") == "heldout"
-        or candidate.source == "evaluation"
-        or prompt_key(candidate.messages) in heldout_prompts
-    )
+def accepted_correction(candidate: Candidate, contract: ContractSpec) -> list[dict[str, Any]] | None:
+    """The corrected conversation when the user's correction passed the contract: its total reaches the
+    selection threshold and no verifying scorer that applied to it failed. A correction is a user's
+    statement of the right answer, so one that passes counts as verified."""
+    check = candidate.correction
+    if not contract.selection.use_corrections or not check:
+        return None
+    total = check.get("total")
+    if total is None or total < contract.selection.min_score or check.get("failed"):
+        return None
+    from pipeline.scoring import corrected_trace
+
+    corrected = corrected_trace({"messages": candidate.messages, "feedback": candidate.feedback})
+    return corrected["messages"] if corrected else None
 
 
-def _corrected(candidate: Candidate) -> list[dict[str, Any]] | None:
-    fb = candidate.feedback
-    if not isinstance(fb, dict) or not isinstance(fb.get("correction"), str) or not fb["correction"].strip():
-        return None
-    messages = [dict(m) for m in candidate.messages]
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-    if last is None:
-        return None
-    messages[last] = {"role": "assistant", "content": fb["correction"]}
-    return messages[: last + 1]
+_EXCLUDED: dict[tuple[str, str, str], str | None] = {}  # (index, trace content, source) -> reason
+
+
+def excluded(candidate: Candidate, heldout: HeldoutIndex) -> str | None:
+    """The held-out predicate for one candidate. Answers are kept per process under the trace's content
+    address (the same content gets the same answer, whichever registry it is in): accumulated experience
+    is checked once, not once per generation."""
+    if not heldout.key or not candidate.content_hash:
+        return heldout.exclusion(
+            messages=candidate.messages, metadata=candidate.metadata, source=candidate.source
+        )
+    key = (heldout.key, candidate.content_hash, candidate.source)
+    if key not in _EXCLUDED:
+        if len(_EXCLUDED) >= 2_000_000:
+            _EXCLUDED.clear()
+        _EXCLUDED[key] = heldout.exclusion(
+            messages=candidate.messages, metadata=candidate.metadata, source=candidate.source
+        )
+    return _EXCLUDED[key]
 
 
 def select_examples(
-    candidates: Iterable[Candidate],
+    candidates: list[Candidate],
     *,
     contract: ContractSpec,
-    heldout_prompts: set[str],
-    specialists: Iterable[str] | None = None,
+    heldout: HeldoutIndex,
+    specialists: list[str] | None = None,
 ) -> CurationResult:
-    """Apply the contract's selection rules: held-out exclusion, corrections, threshold, dedup, caps."""
+    """Apply the contract's selection rules: verification, corrections, threshold, held-out, dedup, caps.
+
+    Only the final assistant turn of each selected conversation is a training target (``packing``);
+    the turns before it are context."""
     rules = contract.selection
     wanted = set(specialists) if specialists is not None else set(contract.specialists)
     best: dict[str, dict[str, tuple[float, int, list[dict[str, Any]], int]]] = {s: {} for s in wanted}
     result = CurationResult()
+    drop = result.dropped.add
     for order, cand in enumerate(candidates):
         if cand.specialist not in wanted:
-            result.drop("specialist not trained")
+            drop(cand.specialist, "specialist not trained")
             continue
         if rules.sources is not None and cand.source not in rules.sources:
-            result.drop("source not selected")
+            drop(cand.specialist, "source not selected")
             continue
-        if is_heldout(cand, heldout_prompts):
-            result.drop("held-out")
-            continue
-        messages = _corrected(cand) if rules.use_corrections else None
-        score = 1.0 if messages is not None else cand.score  # a user's correction is the answer
+        messages = accepted_correction(cand, contract)
+        score = cand.correction["total"] if messages is not None and cand.correction else cand.score
         if messages is None:
-            messages = cand.messages
-            if score is None or score < rules.min_score:
-                result.drop("below threshold")
+            usable = cand.verified and cand.score is not None and cand.score >= rules.min_score
+            if not usable:
+                why = "unverified" if not cand.verified else "below threshold"
+                failed = cand.correction and rules.use_corrections
+                drop(cand.specialist, "correction failed the contract" if failed else why)
                 continue
+            messages = cand.messages
+        if excluded(cand, heldout):
+            drop(cand.specialist, "held-out")
+            continue
         if not any(m.get("role") == "assistant" for m in messages):
-            result.drop("no assistant turn")
+            drop(cand.specialist, "no assistant turn")
             continue
         key = (
             prompt_key(messages)
@@ -126,73 +176,130 @@ def select_examples(
         )
         slot = best[cand.specialist]
         if key in slot:
-            result.drop("duplicate")
+            drop(cand.specialist, "duplicate")
             if slot[key][0] >= score:
                 continue
-        slot[key] = (score, order, messages, cand.experience_id)
+        slot[key] = (float(score), order, messages, cand.experience_id)
     for specialist, slot in best.items():
         chosen = sorted(slot.values(), key=lambda item: (-item[0], item[1]))
         cap = rules.max_examples.get(specialist, rules.max_examples_per_specialist)
         if cap is not None and len(chosen) > cap:
-            for _ in chosen[cap:]:
-                result.drop("over cap")
+            drop(specialist, "over cap", len(chosen) - cap)
             chosen = chosen[:cap]
         chosen.sort(key=lambda item: item[1])  # keep arrival order in the dataset
         result.examples[specialist] = [
-            {"messages": msgs, "score": float(score), "experience_id": exp_id}
-            for score, _, msgs, exp_id in chosen
+            {"messages": msgs, "score": score, "experience_id": exp_id} for score, _, msgs, exp_id in chosen
         ]
     return result
 
 
 def load_candidates(
-    *, session: Session, contract_version_id: int, lineage: str | None = None, min_score: float | None = None
-) -> list[Candidate]:
-    """Scored traces (total under the contract version), optionally limited to one lineage's generations and
-    to those at or above ``min_score`` (traces with feedback are always kept: they may carry a correction)."""
-    from sqlalchemy import select
+    *,
+    session: Session,
+    contract_version_id: int,
+    contract: ContractSpec,
+    heldout: HeldoutIndex,
+    lineage: str | None = None,
+) -> tuple[list[Candidate], Drops]:
+    """The scored traces that may be learned from (optionally of one lineage's generations), and the count
+    of those left out per specialist and reason.
+
+    Only traces the contract verified at or above its selection threshold, or with feedback (a correction
+    may make them eligible), are read in full; none of them held out (the held-out predicate is applied
+    here, for every consumer); none from an evaluation run."""
+    from sqlalchemy import case, func, or_, select
 
     from pipeline.registry.models import Experience, Generation, Score
 
-    stmt = (
+    rules = contract.selection
+    join = (
+        (Score.experience_id == Experience.id)
+        & (Score.contract_version_id == contract_version_id)
+        & (Score.scorer == "total")
+    )
+    eligible = or_(
+        (Score.value >= rules.min_score) & Score.verified.is_(True), Experience.feedback.is_not(None)
+    ) & (Experience.source != "evaluation")
+    specialist = func.coalesce(Score.specialist, contract.default_specialist)
+    reason = case(
+        (Experience.source == "evaluation", "held-out"),
+        (Score.verified.is_not(True), "unverified"),
+        else_="below threshold",
+    )
+    counted = select(specialist, reason, func.count()).select_from(Experience).join(Score, join)
+    loaded = (
         select(
             Experience.id,
-            Experience.specialist,
+            Experience.content_hash,
+            specialist.label("specialist"),
             Score.value,
+            Score.verified,
             Score.details,
             Experience.messages,
             Experience.meta,
             Experience.feedback,
             Experience.source,
         )
-        .join(
-            Score,
-            (Score.experience_id == Experience.id)
-            & (Score.contract_version_id == contract_version_id)
-            & (Score.scorer == "total"),
-        )
+        .select_from(Experience)
+        .join(Score, join)
+        .where(eligible)
         .order_by(Experience.id)
     )
-    if min_score is not None:
-        stmt = stmt.where((Score.value >= min_score) | Experience.feedback.is_not(None))
     if lineage is not None:
-        stmt = stmt.outerjoin(Generation, Generation.id == Experience.generation_id).where(
-            (Generation.lineage == lineage) | (Experience.generation_id.is_(None))
-        )
+        in_lineage = (Generation.lineage == lineage) | Experience.generation_id.is_(None)
+        counted = counted.outerjoin(Generation, Generation.id == Experience.generation_id).where(in_lineage)
+        loaded = loaded.outerjoin(Generation, Generation.id == Experience.generation_id).where(in_lineage)
+    drops = Drops()
+    for name, why, n in session.execute(counted.where(~eligible).group_by(specialist, reason)):
+        drops.add(name, why, n)
     out = []
-    for row in session.execute(stmt):
-        specialist = (row.details or {}).get("specialist") or row.specialist
-        out.append(
-            Candidate(
-                experience_id=row.id,
-                specialist=specialist,
-                score=row.value,
-                messages=row.messages,
-                metadata=row.meta or {},
-                feedback=row.feedback,
-                source=row.source,
-            )
+    for row in session.execute(loaded):
+        cand = Candidate(
+            experience_id=row.id,
+            specialist=row.specialist,
+            score=row.value,
+            messages=row.messages,
+            metadata=row.meta or {},
+            feedback=row.feedback,
+            source=row.source,
+            verified=bool(row.verified),
+            correction=(row.details or {}).get("correction"),
+            content_hash=row.content_hash,
         )
+        if excluded(cand, heldout):
+            drops.add(cand.specialist, "held-out")
+            continue
+        out.append(cand)
+    return out, drops
+
+
+def lineage_candidates(
+    session: Session, gen: Generation, contract: ContractSpec
+) -> tuple[list[Candidate], Drops]:
+    """``load_candidates`` for a generation's lineage under its contract version."""
+    from pipeline.heldout import heldout_index
+
+    return load_candidates(
+        session=session,
+        contract_version_id=gen.contract_version_id,
+        contract=contract,
+        heldout=heldout_index(contract),
+        lineage=gen.lineage,
+    )
+
+
+def eligible_examples(
+    candidates: list[Candidate], contract: ContractSpec
+) -> list[tuple[Candidate, list[dict[str, Any]], float]]:
+    """(candidate, conversation, score) of every candidate that may be learned from as it is, or through an
+    accepted correction: what co-design and the router learn from (curation adds dedup and caps)."""
+    out = []
+    for cand in candidates:
+        corrected = accepted_correction(cand, contract)
+        if corrected is not None and cand.correction:
+            out.append((cand, corrected, float(cand.correction["total"])))
+        elif cand.verified and cand.score is not None and cand.score >= contract.selection.min_score:
+            out.append((cand, cand.messages, float(cand.score)))
     return out
 
 
@@ -211,25 +318,15 @@ def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     return dataset_sha256(rows), len(rows)
 
 
-def lineage_candidates(session: Session, gen: Generation, contract: ContractSpec) -> list[Candidate]:
-    """The lineage's scored experience at or above the contract's selection threshold (or with feedback)."""
-    return load_candidates(
-        session=session,
-        contract_version_id=gen.contract_version_id,
-        lineage=gen.lineage,
-        min_score=contract.selection.min_score,
-    )
-
-
 def curate_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
-    """One SFT dataset per specialist from all scored experience of the lineage (accumulated), held-out excluded."""
+    """One SFT dataset per specialist from all eligible experience of the lineage (accumulated)."""
     from sqlalchemy import delete
 
     from pipeline.candidate import artifacts_for, contract_of, load_generation, mark_step
     from pipeline.harness import HarnessSpec
-    from pipeline.heldout import resolve_suites
+    from pipeline.heldout import heldout_index
     from pipeline.prompting import render_messages
     from pipeline.registry import TrainingDataset, get_engine, session_scope
 
@@ -238,15 +335,13 @@ def curate_step(
         gen = load_generation(session, generation_id)
         contract = contract_of(gen)
         harness = HarnessSpec.model_validate(gen.harness_version.spec)
-        heldout = {
-            prompt_key(item["messages"]) for items in resolve_suites(contract).values() for item in items
-        }
-        candidates = lineage_candidates(session, gen, contract)
+        candidates, dropped = lineage_candidates(session, gen, contract)
         specialists = [a.specialist for a in gen.adapters]
         number = gen.number
     selected = select_examples(
-        candidates, contract=contract, heldout_prompts=heldout, specialists=specialists
+        candidates, contract=contract, heldout=heldout_index(contract), specialists=specialists
     )
+    dropped.merge(selected.dropped)
     out_dir = artifacts_for(config.lineage, number) / "datasets"
     datasets: dict[str, Any] = {}
     with session_scope(engine) as session:
@@ -270,6 +365,6 @@ def curate_step(
                 )
             )
             datasets[specialist] = {"rows": rows, "sha256": digest, "path": str(out_dir / specialist)}
-        outcome = {"datasets": datasets, "dropped": selected.dropped}
+        outcome = {"datasets": datasets, "dropped": dropped.counts}
         mark_step(session, load_generation(session, generation_id), "curate", outcome)
     return outcome

@@ -1,160 +1,98 @@
-"""Comparing a candidate with its champion on the held-out suites, and the contract's promotion gates.
+"""Evaluation: the champion and the candidate on the contract's held-out suites, in the same run.
 
-Both pairs are evaluated in the same run on the same items, so the comparison is paired: the
-confidence interval of each delta comes from a paired bootstrap (items resampled jointly), and the
-overall score is the mean of the per-specialist means (each specialist counts the same).
+Both pairs answer the same items greedily and are scored under the contract, so the comparison is paired:
+per specialist the mean of the item-level differences and its standard error; overall the mean of the
+specialists' means (each specialist counts the same), whose variance is the sum of theirs over the number
+of specialists squared. Every item's score is stored with the candidate (``evaluation["items"]``), as is
+the router's accuracy on the contract's routing suite for both harnesses, and which attempt against this
+champion the candidate is; ``pipeline.promotion`` turns all of it into a verdict.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
 from pipeline.candidate import AdvanceConfig, Progress, contract_of, load_generation, mark_step
-from pipeline.contract import PromotionGates
 from pipeline.errors import RatchetError
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
     from pipeline.contract import ContractSpec
+    from pipeline.curation import Candidate
     from pipeline.harness import HarnessSpec
     from pipeline.pair import PairSpec
+    from pipeline.registry import Generation
+    from pipeline.serving.router import TokenClassifier
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpecialistComparison:
-    """One specialist's held-out result for both pairs."""
+    """One specialist's held-out result for both pairs: means, the mean paired difference and its SE."""
 
     specialist: str
     n: int
     champion: float
     candidate: float
     delta: float
-    ci_low: float
-    ci_high: float
+    se: float
 
 
-@dataclass
-class ComparisonResult:
-    """The paired comparison and the gate decision, in words and numbers."""
+@dataclass(frozen=True)
+class Comparison:
+    """The paired comparison of two pairs on the same items."""
 
     specialists: dict[str, SpecialistComparison]
     champion_overall: float
     candidate_overall: float
     delta: float
-    ci_low: float
-    ci_high: float
-    confidence: float
-    promote: bool
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def decision(self) -> str:
-        verdict = "promote" if self.promote else "reject"
-        return f"{verdict}: " + "; ".join(self.reasons)
+    se: float
+    df: float  # Welch-Satterthwaite degrees of freedom of the overall delta's t statistic
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["decision"] = self.decision
-        return out
+        """As stored (JSON has no infinity: an infinite ``df`` -- no variance at all -- is null)."""
+        return {**asdict(self), "df": None if math.isinf(self.df) else self.df}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Comparison:
+        specialists = {k: SpecialistComparison(**v) for k, v in data["specialists"].items()}
+        return cls(
+            **{**data, "specialists": specialists, "df": math.inf if data["df"] is None else data["df"]}
+        )
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def paired_bootstrap(
-    pairs: dict[str, list[tuple[float, float]]], *, samples: int, confidence: float, seed: int
-) -> tuple[dict[str, tuple[float, float]], tuple[float, float]]:
-    """Percentile intervals of (candidate - champion) per specialist and for the macro-averaged overall.
-
-    ``pairs[specialist]`` holds (champion, candidate) scores of the same items. Items are resampled
-    within each specialist (stratified), jointly for both pairs.
-    """
+def compare_scores(champion: dict[str, list[float]], candidate: dict[str, list[float]]) -> Comparison:
+    """Paired statistics of per-item scores (same items, same order, per specialist)."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    per = {}
-    for s, items in pairs.items():
-        deltas = np.array([c - p for p, c in items], dtype=np.float64)
-        picks = rng.integers(0, len(deltas), size=(samples, len(deltas)))  # one resample per row
-        per[s] = deltas[picks].mean(axis=1)
-    overall = np.mean(np.stack(list(per.values())), axis=0)
-    alpha = (1 - confidence) / 2
-    bounds = {}
-    for s, values in per.items():
-        ordered = sorted(values.tolist())
-        bounds[s] = (_quantile(ordered, alpha), _quantile(ordered, 1 - alpha))
-    ordered = sorted(overall.tolist())
-    return bounds, (_quantile(ordered, alpha), _quantile(ordered, 1 - alpha))
-
-
-def compare_pairs(
-    champion: dict[str, list[float]], candidate: dict[str, list[float]], *, gates: PromotionGates
-) -> ComparisonResult:
-    """Compare per-item held-out scores (same items, same order) and apply the promotion gates."""
     if set(champion) != set(candidate):
         raise ValueError(f"specialists differ: {sorted(champion)} vs {sorted(candidate)}")
-    pairs = {}
+    per: dict[str, SpecialistComparison] = {}
+    parts = []  # (variance of the specialist's mean, n)
     for s in sorted(champion):
         if len(champion[s]) != len(candidate[s]):
             raise ValueError(f"{s}: {len(champion[s])} champion items vs {len(candidate[s])} candidate items")
-        if champion[s]:
-            pairs[s] = list(zip(champion[s], candidate[s], strict=True))
-    reasons: list[str] = []
-    promote = True
-    if not pairs:
-        return ComparisonResult({}, 0.0, 0.0, 0.0, 0.0, 0.0, gates.confidence, False, ["no held-out items"])
-    bounds, (lo, hi) = paired_bootstrap(
-        pairs, samples=gates.bootstrap_samples, confidence=gates.confidence, seed=gates.seed
-    )
-    specialists = {}
-    for s, items in pairs.items():
-        champ = fmean(p for p, _ in items)
-        cand = fmean(c for _, c in items)
-        specialists[s] = SpecialistComparison(s, len(items), champ, cand, cand - champ, *bounds[s])
-    champ_overall = fmean(c.champion for c in specialists.values())
-    cand_overall = fmean(c.candidate for c in specialists.values())
-    delta = cand_overall - champ_overall
-    pct = round(gates.confidence * 100)
-    small = [
-        f"{s} has {c.n} items < {gates.min_heldout_samples}"
-        for s, c in specialists.items()
-        if c.n < gates.min_heldout_samples
-    ]
-    if small:
-        promote = False
-        reasons.append("too few held-out samples (" + ", ".join(small) + ")")
-    if delta < gates.min_improvement or delta <= 0:
-        promote = False
-        reasons.append(
-            f"overall {cand_overall:.3f} vs champion {champ_overall:.3f}: delta {delta:+.3f} is below "
-            f"the minimum improvement {max(gates.min_improvement, 0):+.3f}"
+        if not champion[s]:
+            continue
+        a, b = np.asarray(champion[s], dtype=np.float64), np.asarray(candidate[s], dtype=np.float64)
+        d = b - a
+        var = float(d.var(ddof=1)) / len(d) if len(d) > 1 else 0.0
+        parts.append((var, len(d)))
+        per[s] = SpecialistComparison(
+            s, len(d), float(a.mean()), float(b.mean()), float(d.mean()), math.sqrt(var)
         )
-    else:
-        reasons.append(
-            f"overall {cand_overall:.3f} vs champion {champ_overall:.3f}: delta {delta:+.3f} "
-            f"({pct}% CI {lo:+.3f}..{hi:+.3f})"
-        )
-    if gates.require_significant and delta > 0 and lo <= 0:
-        promote = False
-        reasons.append(f"the improvement is not significant: {pct}% CI {lo:+.3f}..{hi:+.3f} includes 0")
-    for s, c in specialists.items():
-        tol = gates.tolerance(s)
-        if c.delta < -tol:
-            promote = False
-            reasons.append(
-                f"{s} regressed {c.champion:.3f} -> {c.candidate:.3f} ({c.delta:+.3f}, tolerance {tol:.3f})"
-            )
-    return ComparisonResult(
-        specialists, champ_overall, cand_overall, delta, lo, hi, gates.confidence, promote, reasons
-    )
+    if not per:
+        return Comparison({}, 0.0, 0.0, 0.0, 0.0, 0.0)
+    k = len(per)
+    var = sum(v for v, _ in parts) / k**2
+    df = sum(v for v, _ in parts) ** 2 / sum(v**2 / max(1, n - 1) for v, n in parts) if var > 0 else math.inf
+    champ = fmean(c.champion for c in per.values())
+    cand = fmean(c.candidate for c in per.values())
+    return Comparison(per, champ, cand, cand - champ, math.sqrt(var), df)
 
 
 def score_pair(
@@ -181,6 +119,21 @@ def score_pair(
     return out
 
 
+def attempt_number(session: Session, gen: Generation) -> int:
+    """Which attempt against its parent (the champion it was built from) this candidate is: 1 + the
+    siblings decided before it (rejected, or promoted and since retired)."""
+    from sqlalchemy import func, select
+
+    from pipeline.registry import Generation as G
+
+    earlier = session.scalar(
+        select(func.count())
+        .select_from(G)
+        .where(G.parent_id == gen.parent_id, G.number < gen.number, G.status.in_(("rejected", "retired")))
+    )
+    return 1 + int(earlier or 0)
+
+
 def evaluate_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
@@ -195,10 +148,15 @@ def evaluate_step(
         if gen.status in ("candidate", "training"):
             set_generation_status(session=session, generation=gen, status="evaluating")
         contract = contract_of(gen)
-        candidate, champion = (
-            pair_for_generation(gen),
-            pair_for_generation(load_generation(session, gen.parent_id)),
-        )
+        parent = load_generation(session, gen.parent_id)
+        candidate, champion = pair_for_generation(gen), pair_for_generation(parent)
+        attempt = attempt_number(session, gen)
+        parent_classifier = (parent.state or {}).get("router_classifier")
+        candidates = None
+        if candidate.harness.routing.mode != "signals":
+            from pipeline.curation import lineage_candidates
+
+            candidates, _ = lineage_candidates(session, gen, contract)
     # the generation's specialists only (a lineage may serve a subset of the contract's specialists)
     suites = {s: items for s, items in resolve_suites(contract).items() if s in candidate.adapters}
     if not suites:
@@ -206,62 +164,91 @@ def evaluate_step(
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)
     champ_scores = score_pair(champion, suites, contract, progress=report("champion"))
     cand_scores = score_pair(candidate, suites, contract, progress=report("candidate"))
-    comparison = compare_pairs(champ_scores, cand_scores, gates=contract.promotion)
+    comparison = compare_scores(champ_scores, cand_scores)
+    classifier = fit_router(candidate.harness, contract, candidates) if candidates is not None else None
     evaluation = {
         "scores": {s: round(c.candidate, 4) for s, c in comparison.specialists.items()},
         "overall": round(comparison.candidate_overall, 4),
         "parent_scores": {s: round(c.champion, 4) for s, c in comparison.specialists.items()},
         "parent_overall": round(comparison.champion_overall, 4),
         "comparison": comparison.to_dict(),
+        "attempt": attempt,
+        "items": {
+            s: {
+                "parent": [round(v, 4) for v in champ_scores[s]],
+                "candidate": [round(v, 4) for v in cand_scores[s]],
+            }
+            for s in sorted(suites)
+        },
+        "router": measure_routing(candidate.harness, contract, classifier),
+        "parent_router": measure_routing(champion.harness, contract, _classifier(parent_classifier)),
     }
-    evaluation["router"], classifier = measure_routing(candidate.harness, generation_id=generation_id)
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         gen.evaluation = evaluation
         if classifier is not None:
-            gen.state = {**(gen.state or {}), "router_classifier": classifier}
+            gen.state = {**(gen.state or {}), "router_classifier": classifier.to_dict()}
         parent = load_generation(session, gen.parent_id)
         if not (parent.evaluation or {}).get("scores"):  # generation 0 gets its held-out scores too
             parent.evaluation = {
                 **(parent.evaluation or {}),
                 "scores": evaluation["parent_scores"],
                 "overall": evaluation["parent_overall"],
+                "router": evaluation["parent_router"],
             }
-        mark_step(session, gen, "evaluate", {"promote": comparison.promote, "decision": comparison.decision})
+        mark_step(
+            session,
+            gen,
+            "evaluate",
+            {
+                "overall": evaluation["overall"],
+                "parent_overall": evaluation["parent_overall"],
+                "attempt": attempt,
+            },
+        )
     return evaluation
 
 
-def measure_routing(
-    harness: HarnessSpec, *, generation_id: int, items_per_family: int = 50
-) -> tuple[dict[str, Any], Any]:
-    """Router accuracy on the labelled held-out turns, recorded per generation.
+def _classifier(data: dict[str, Any] | None) -> TokenClassifier | None:
+    from pipeline.serving.router import TokenClassifier
 
-    In ``learned``/``hybrid`` mode a small classifier is first fitted on the lineage's experience that
-    scored at least the selection threshold, labelled with the specialist that served it (held-out
-    items never among them); it is returned (as a dict) to be stored with the generation for serving.
-    """
-    from pipeline.curation import load_candidates
-    from pipeline.registry import get_engine, session_scope
-    from pipeline.serving.routereval import (
-        fit_router_classifier,
-        heldout_routing_items,
-        measure_router,
-        routing_items,
-    )
+    return TokenClassifier.from_dict(data) if data else None
 
-    items = heldout_routing_items(items_per_family)
-    if harness.routing.mode == "signals":
-        return measure_router(harness, items), None
-    with session_scope(get_engine()) as session:
-        gen = load_generation(session, generation_id)
-        threshold = contract_of(gen).selection.min_score
-        candidates = load_candidates(session=session, contract_version_id=gen.contract_version_id)
-    traces = [
-        {"messages": c.messages, "metadata": {"specialist": c.specialist}}
-        for c in candidates
-        if (c.score or 0) >= threshold and c.metadata.get("split") != "heldout" and c.source != "evaluation"
+
+def router_training_traces(
+    harness: HarnessSpec, contract: ContractSpec, candidates: list[Candidate]
+) -> list[dict[str, Any]]:
+    """What the learned router learns from: the lineage's verified, non-held-out experience that passed the
+    selection rules (``curation.eligible_examples`` over ``load_candidates``), labelled with the specialist
+    that served it."""
+    from pipeline.curation import eligible_examples
+
+    return [
+        {"messages": messages, "metadata": {"specialist": cand.specialist}}
+        for cand, messages, _ in eligible_examples(candidates, contract)
+        if cand.specialist in harness.specialists
     ]
+
+
+def fit_router(
+    harness: HarnessSpec, contract: ContractSpec, candidates: list[Candidate]
+) -> TokenClassifier | None:
+    """The learned router's classifier fitted on ``router_training_traces`` (None without any)."""
+    from pipeline.serving.routereval import fit_router_classifier, routing_items
+
+    traces = router_training_traces(harness, contract, candidates)
     if not traces:
-        return measure_router(harness, items), None
-    classifier = fit_router_classifier(routing_items(traces), labels=sorted(harness.specialists))
-    return measure_router(harness, items, classifier=classifier), classifier.to_dict()
+        return None
+    return fit_router_classifier(routing_items(traces), labels=sorted(harness.specialists))
+
+
+def measure_routing(
+    harness: HarnessSpec, contract: ContractSpec, classifier: TokenClassifier | None
+) -> dict[str, Any] | None:
+    """Router accuracy and confusion matrix on the contract's routing suite (None when it has none)."""
+    from pipeline.serving.routereval import measure_router, suite_items
+
+    if contract.routing is None:
+        return None
+    items = [(turn, label) for turn, label in suite_items(contract) if label in harness.specialists]
+    return measure_router(harness, items, classifier=classifier)

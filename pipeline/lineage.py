@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
+
+if TYPE_CHECKING:
+    from pipeline.contract import ContractSpec
+    from pipeline.harness import HarnessSpec
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,23 @@ class InitResult:
             f"harness {self.harness}, base {self.base_model} at {self.base_path}; "
             f"specialists: {', '.join(self.specialists)}"
         )
+
+
+def require_clean_exemplars(harness: HarnessSpec, contract: ContractSpec, *, where: str) -> None:
+    """Refuse a harness whose few-shot exemplars contain a held-out prompt: the model would be prompted
+    with it on every turn (and see its answer)."""
+    from pipeline.heldout import heldout_index
+    from pipeline.prompting import exemplar_messages
+
+    index = heldout_index(contract)
+    for name in harness.specialists:
+        for i, messages in enumerate(exemplar_messages(harness, name)):
+            found = index.exclusion(messages=messages)
+            if found:
+                raise RatchetError(
+                    f"{where}: specialists.{name}.exemplars[{i}] {found} of contract {contract.name} "
+                    f"{contract.version}: held-out items may never be shown to the model"
+                )
 
 
 def base_model_dir(*, home: Path, name: str, spec_hash: str) -> Path:
@@ -68,6 +90,7 @@ def init_lineage(
     harness = load_harness(harness_path)
     model = load_model_spec(model_path)
     require_compatible(harness, contract)
+    require_clean_exemplars(harness, contract, where=str(harness_path))
     specialists = sorted(model.specialists)
     for what, names in (("harness", harness.specialists), ("contract", contract.specialists)):
         missing = [s for s in specialists if s not in names]

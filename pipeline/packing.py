@@ -1,7 +1,8 @@
 """Chat examples as token ids with assistant-only labels, and packed batches without cross-attention.
 
-``encode_chat`` renders messages with the tokenizer's own chat template and marks only the assistant
-turns as labels. ``pack_examples`` packs a batch of examples into as few rows as fit the longest example
+``encode_chat`` renders messages with the tokenizer's own chat template and marks only the final
+assistant turn as labels: the example's training target is the serving specialist's own last reply;
+earlier turns -- few-shot exemplars, other specialists' replies, the conversation so far -- are context. ``pack_examples`` packs a batch of examples into as few rows as fit the longest example
 (first-fit decreasing); ``packed_tensors`` gives ``input_ids``/``labels``/``position_ids`` with the
 positions restarting at 0 for each example and NO attention mask: transformers (>= 4.56 / 5.x) then
 derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
@@ -35,30 +36,28 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels for a conversation; labels are -100 except on assistant turns (content + end).
+    """Token ids and labels for a conversation; labels are -100 except on the final assistant turn
+    (its content and end marker).
 
-    Two renders per assistant turn: the conversation before it with the generation prompt (everything
-    not yet encoded is one prompt segment, tokenized in one piece as at generation time), then the
-    conversation through it (the rest is the turn, trained on). Messages after the last assistant turn
-    carry no label and are left out. Relies on the template being prefix-stable (rendering
-    ``messages[:i]`` is a prefix of rendering ``messages[:i+1]``), which holds for ours and common ones.
+    Two renders: the conversation before the final assistant turn with the generation prompt (one prompt
+    segment, tokenized in one piece as at generation time), then the conversation through it (the rest is
+    the turn, trained on). Messages after it carry no label and are left out. Relies on the template being
+    prefix-stable (rendering ``messages[:i]`` is a prefix of rendering ``messages[:i+1]``), which holds for
+    ours and common ones.
     """
     msgs = model_messages(messages)
     ids: list[int] = []
     labels: list[int] = []
-    done = ""
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        prefix = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
-        if not prefix.startswith(done) or not full.startswith(prefix):
-            raise ValueError("chat template is not prefix-stable; cannot locate assistant tokens")
-        _append(tokenizer, prefix[len(done) :], ids, labels, train=False)
-        _append(tokenizer, full[len(prefix) :], ids, labels, train=True)
-        done = full
-    if not done:  # no assistant turn: all prompt
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None:  # no assistant turn: all prompt
         _append(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False), ids, labels, train=False)
+        return ids[:max_len], labels[:max_len]
+    prefix = tokenizer.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(msgs[: last + 1], tokenize=False)
+    if not full.startswith(prefix):
+        raise ValueError("chat template is not prefix-stable; cannot locate the assistant's tokens")
+    _append(tokenizer, prefix, ids, labels, train=False)
+    _append(tokenizer, full[len(prefix) :], ids, labels, train=True)
     return ids[:max_len], labels[:max_len]
 
 

@@ -125,6 +125,14 @@ def exemplar_messages(harness: HarnessSpec, specialist: str) -> list[list[dict[s
     return out
 
 
+def _flat(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the message with OpenAI content parts joined into its text (what a chat template takes)."""
+    out = dict(message)
+    if isinstance(out.get("content"), list):
+        out["content"] = "".join(str(p.get("text", "")) for p in out["content"] if isinstance(p, dict))
+    return out
+
+
 def _turns(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     turns: list[list[dict[str, Any]]] = []
     for m in messages:
@@ -156,7 +164,7 @@ def render_messages(
         ]
         system = "\n\n".join(s for s in [sp.render_system_prompt(), *client] if s)
         head = [{"role": "system", "content": system}] if system else []
-    turns = _turns([dict(m) for m in conversation if m.get("role") not in ("system", "developer")])
+    turns = _turns([_flat(m) for m in conversation if m.get("role") not in ("system", "developer")])
     current = turns[-1] if turns else []
     past = turns[:-1][-ctx.keep_turns :] if ctx.keep_turns else []
     exemplars = exemplar_messages(harness, specialist)

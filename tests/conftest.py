@@ -152,7 +152,6 @@ def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, P
     contract["version"] = "test"
     for suite in contract["heldout"]:
         suite["size"] = heldout_size
-    contract["promotion"]["bootstrap_samples"] = 200
     paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
     paths["model"].write_text(yaml.safe_dump(model))
     paths["contract"].write_text(yaml.safe_dump(contract))
@@ -160,10 +159,15 @@ def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, P
 
 
 @pytest.fixture
-def lineage(small_base, tmp_path):
+def specs(small_base, tmp_path):
+    """The small base's model spec and the demo contract with small held-out suites, as files."""
+    return write_specs(tmp_path, small_base)
+
+
+@pytest.fixture
+def lineage(specs, tmp_path):
     from pipeline.lineage import init_lineage
 
-    specs = write_specs(tmp_path, small_base)
     init_lineage(
         contract_path=specs["contract"],
         harness_path=ROOT / "harnesses" / "demo.yaml",

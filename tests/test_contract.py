@@ -249,7 +249,7 @@ def test_cli_lint_ok(capsys):
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     spec = load_contract(files[0])
-    assert out[0] == f"ok {files[0]} (demo 1 {contract_hash(spec)[:12]})"
+    assert out[0] == f"ok {files[0]} (demo 2 {contract_hash(spec)[:12]})"
     assert out[1].startswith(f"ok {files[1]} (demo v1 ") and out[2].startswith(f"ok {files[2]} (tiny-demo ")
 
 

@@ -1,17 +1,21 @@
-"""Curation under the contract's selection rules; held-out items never reach a training set."""
+"""Curation under the contract's selection rules: only verified experience, never a held-out item."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from pipeline.contract import load_contract
-from pipeline.curation import Candidate, prompt_key, save_dataset, select_examples
+from pipeline.curation import Candidate, save_dataset, select_examples
+from pipeline.heldout import HeldoutIndex
 from pipeline.training import dataset_sha256
 
 CONTRACT = load_contract(Path(__file__).resolve().parent.parent / "contracts" / "demo.yaml")
+HELDOUT = HeldoutIndex.build(
+    [("chat #0", "7+8=?"), ("chat #1", "what is the capital of france")], ngram=6, threshold=0.5
+)
 
 
-def _cand(i, q, a, score, specialist="chat", **kw):
+def _cand(i, q, a, score, specialist="chat", verified=True, **kw):
     msgs = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": q},
@@ -21,11 +25,21 @@ def _cand(i, q, a, score, specialist="chat", **kw):
         experience_id=i,
         specialist=specialist,
         score=score,
-        messages=msgs,
+        messages=kw.pop("messages", msgs),
         metadata=kw.pop("metadata", {}),
         feedback=kw.pop("feedback", None),
         source=kw.pop("source", "simulation"),
+        verified=verified,
+        correction=kw.pop("correction", None),
     )
+
+
+def _with_selection(**changes):
+    return CONTRACT.model_copy(update={"selection": CONTRACT.selection.model_copy(update=changes)})
+
+
+def _ids(result, specialist="chat"):
+    return [e["experience_id"] for e in result.examples[specialist]]
 
 
 def test_threshold_dedup_and_best_kept():
@@ -36,47 +50,114 @@ def test_threshold_dedup_and_best_kept():
         _cand(4, "3+3", "6", 0.85),
         _cand(5, "3+3", "6!", 0.95),
     ]
-    by_prompt = _with_selection(dedup="prompt")
-    result = select_examples(cands, contract=by_prompt, heldout_prompts=set())
-    chat = result.examples["chat"]
-    assert [e["experience_id"] for e in chat] == [1, 5]
-    assert result.dropped["below threshold"] == 1 and result.dropped["duplicate"] == 2
+    result = select_examples(cands, contract=_with_selection(dedup="prompt"), heldout=HELDOUT)
+    assert _ids(result) == [1, 5]
+    assert result.dropped.counts["chat"] == {"below threshold": 1, "duplicate": 2}
     # `content` drops exact repeats only; `none` keeps every attempt above the threshold
-    content = select_examples(cands, contract=_with_selection(dedup="content"), heldout_prompts=set())
-    assert [e["experience_id"] for e in content.examples["chat"]] == [1, 4, 5]
-    everything = select_examples(cands, contract=_with_selection(dedup="none"), heldout_prompts=set())
-    assert [e["experience_id"] for e in everything.examples["chat"]] == [1, 2, 4, 5]
-
-
-def _with_selection(**changes):
-    return CONTRACT.model_copy(update={"selection": CONTRACT.selection.model_copy(update=changes)})
-
-
-def test_heldout_never_reaches_training():
-    heldout = _cand(9, "7+8", "15", 1.0)
-    cands = [
-        heldout,
-        _cand(10, "9+9", "18", 1.0, metadata={"split": "heldout"}),
-        _cand(11, "4+4", "8", 1.0, source="evaluation"),
-        _cand(12, "5+5", "10", 1.0),
-        # a held-out prompt with a user correction still stays out
-        _cand(13, "7+8", "14", 0.0, feedback={"rating": 1, "correction": "15"}),
+    assert _ids(select_examples(cands, contract=_with_selection(dedup="content"), heldout=HELDOUT)) == [
+        1,
+        4,
+        5,
     ]
-    result = select_examples(cands, contract=CONTRACT, heldout_prompts={prompt_key(heldout.messages)})
-    assert [e["experience_id"] for e in result.examples["chat"]] == [12]
-    assert result.dropped["held-out"] == 4
+    assert _ids(select_examples(cands, contract=_with_selection(dedup="none"), heldout=HELDOUT)) == [
+        1,
+        2,
+        4,
+        5,
+    ]
 
 
-def test_corrections_become_examples_and_caps_apply():
-    cands = [_cand(1, "6+6", "11", 0.0, feedback={"rating": 1, "correction": "12"})]
-    cands += [_cand(100 + i, f"{i}+0", str(i), 0.9 + i / 1000, specialist="agent") for i in range(5)]
-    contract = CONTRACT.model_copy(
-        update={"selection": CONTRACT.selection.model_copy(update={"max_examples": {"agent": 2}})}
+def test_unverified_experience_is_never_learned_from():
+    """A deployment turn nothing checked (no reference, tests, schema, expected call, verdict or rating)
+    scores ~1.0 on form alone; it is still left out."""
+    cands = [_cand(1, "hello", "a long fluent wrong answer", 1.0, verified=False), _cand(2, "2+2", "4", 1.0)]
+    result = select_examples(cands, contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(result) == [2] and result.dropped.counts["chat"] == {"unverified": 1}
+
+
+def test_heldout_items_in_every_disguise_never_reach_training():
+    parts = [{"type": "text", "text": "7+8"}, {"type": "text", "text": "=?"}]
+    disguises = [
+        _cand(9, "7+8=?", "15", 1.0),  # verbatim
+        _cand(10, "7+8=? ", "15", 1.0),  # trailing space
+        _cand(11, "７+８=?", "15", 1.0),  # full-width digits (NFKC)
+        _cand(12, "please: 7 + 8 = ?", "15", 1.0),  # embedded in a longer prompt
+        _cand(
+            13,
+            "x",
+            "15",
+            1.0,
+            messages=[{"role": "user", "content": parts}, {"role": "assistant", "content": "15"}],
+        ),
+        _cand(
+            14,
+            "x",
+            "y",
+            1.0,
+            messages=[
+                {"role": "user", "content": "What is the capital of France"},  # an earlier turn
+                {"role": "assistant", "content": "Paris"},
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "you are welcome"},
+            ],
+        ),
+        _cand(15, "9+9=?", "18", 1.0, metadata={"split": "heldout"}),
+        _cand(16, "4+4=?", "8", 1.0, source="evaluation"),
+        # a held-out prompt with a user correction still stays out
+        _cand(
+            17,
+            "7+8=?",
+            "14",
+            0.0,
+            verified=False,
+            correction={"total": 1.0, "verified_by": ["exact_match"], "failed": []},
+            feedback={"rating": 1, "correction": "15"},
+        ),  # fmt: skip
+    ]
+    result = select_examples(
+        [*disguises, _cand(18, "5+5=?", "10", 1.0), _cand(19, "17+8=?", "25", 1.0)],
+        contract=CONTRACT,
+        heldout=HELDOUT,
     )
-    result = select_examples(cands, contract=contract, heldout_prompts=set())
+    assert _ids(result) == [18, 19]  # 17+8 is a different problem: tokens, not characters, are compared
+    assert result.dropped.counts["chat"] == {"held-out": 9}
+
+
+def test_corrections_are_learned_only_when_they_pass_the_contract():
+    good = {"total": 1.0, "verified_by": ["exact_match"], "failed": []}
+    wrong = {"total": 0.17, "verified_by": ["exact_match"], "failed": ["exact_match"]}
+    cands = [
+        _cand(
+            1, "6+6", "11", 0.17, verified=True, feedback={"rating": 1, "correction": "12"}, correction=good
+        ),
+        _cand(
+            2, "6+7", "14", 0.17, verified=True, feedback={"rating": 1, "correction": "15"}, correction=wrong
+        ),
+        # unverified original (no reference), correction accepted by the contract's applicable scorers
+        _cand(
+            3,
+            "hi",
+            "?",
+            0.5,
+            verified=False,
+            feedback={"correction": "hello"},
+            correction={"total": 1.0, "verified_by": [], "failed": []},
+        ),
+    ]
+    result = select_examples(cands, contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(result) == [1, 3]
     assert result.examples["chat"][0]["messages"][-1] == {"role": "assistant", "content": "12"}
-    assert [e["experience_id"] for e in result.examples["agent"]] == [103, 104]  # the two best
-    assert result.dropped["over cap"] == 3
+    assert result.dropped.counts["chat"] == {"correction failed the contract": 1}
+    off = select_examples(cands, contract=_with_selection(use_corrections=False), heldout=HELDOUT)
+    assert _ids(off) == [] and off.dropped.counts["chat"]["below threshold"] == 2
+
+
+def test_caps_and_per_specialist_counts():
+    cands = [_cand(100 + i, f"{i}+0", str(i), 0.9 + i / 1000, specialist="agent") for i in range(5)]
+    contract = _with_selection(max_examples={"agent": 2})
+    result = select_examples(cands, contract=contract, heldout=HELDOUT)
+    assert _ids(result, "agent") == [103, 104]  # the two best
+    assert result.dropped.counts == {"agent": {"over cap": 3}}
 
 
 def test_saved_dataset_is_hashed(tmp_path):

@@ -358,26 +358,34 @@ def judge_url():
 def test_judge_grades_through_an_openai_compatible_endpoint(judge_url, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "k123")
     config = cfg(
-        kind="judge", base_url=judge_url, model="grader", rubric="Be correct.", api_key_env="JUDGE_KEY"
+        kind="judge",
+        base_url=judge_url,
+        model="grader",
+        model_version="2026-11-01",
+        rubric="Be correct.",
+        api_key_env="JUDGE_KEY",
     )
     out = run_scorer(config, ctx("Paris"))
-    assert out.value == pytest.approx(0.8) and out.info["grade"] == 8
+    assert out.value == pytest.approx(0.8) and out.info["grade"] == 8 and out.verified
     (request,) = FakeJudge.requests
     assert request["path"] == "/v1/chat/completions" and request["auth"] == "Bearer k123"
-    assert request["body"]["model"] == "grader"
+    assert request["body"]["model"] == "grader" and request["body"]["temperature"] == 0
     assert "Be correct." in request["body"]["messages"][0]["content"]
-    assert "Paris" in request["body"]["messages"][1]["content"]
-    FakeJudge.reply = "Grade: 15"
-    assert run_scorer(config, ctx("x")).value == 1.0  # clamped
-    FakeJudge.reply = "no idea"
-    out = run_scorer(config, ctx("x"))
-    assert out.value is None and "no grade" in out.error
-    FakeJudge.status = 500
-    out = run_scorer(config, ctx("x"))
-    assert out.value is None and "judge request failed" in out.error
+    assert "<reply>\nParis\n</reply>" in request["body"]["messages"][1]["content"]
+    # a grade outside the scale, no grade, an error status: not a verdict, never a pass
+    for reply, status, why in (
+        ("Grade: 15", 200, "outside 0..10"),
+        ("no idea", 200, "no grade"),
+        ("8", 500, "failed"),
+    ):
+        FakeJudge.reply, FakeJudge.status = reply, status
+        out = run_scorer(config, ctx("x"))
+        assert out.value is None and not out.verified and why in out.error, (reply, out)
 
 
-def test_judge_unreachable_is_not_applicable():
-    config = cfg(kind="judge", base_url="http://127.0.0.1:9/v1", model="m", rubric="r", timeout_s=2)
+def test_judge_unreachable_is_not_verified():
+    config = cfg(
+        kind="judge", base_url="http://127.0.0.1:9/v1", model="m", model_version="1", rubric="r", timeout_s=2
+    )
     out = run_scorer(config, ctx("x"))
-    assert out.value is None and "judge request failed" in out.error
+    assert out.value is None and not out.verified and "judge request failed" in out.error

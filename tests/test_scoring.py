@@ -292,3 +292,85 @@ def test_cli_score_bad_line(tmp_path, capsys):
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert f"{path}:2: not valid JSON" in err and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------------- verification
+def test_only_outcome_checks_verify_a_turn():
+    """Form alone (a length, JSON that parses, a call that fits some tool) scores ~1.0 but verifies nothing."""
+    free = score_trace(DEMO, chat("a fluent answer", metadata={"specialist": "chat"}))
+    assert free.total == 1.0 and not free.verified and free.turns[-1].verified_by == []
+    checked = score_trace(DEMO, chat("4", "4", metadata={"specialist": "chat"}))
+    assert checked.verified and checked.turns[-1].verified_by == ["exact_match"]
+    wrong = score_trace(DEMO, chat("5", "4", metadata={"specialist": "chat"}))
+    assert wrong.verified and wrong.turns[-1].failed_checks == ["exact_match"]
+    rated = score_trace(DEMO, chat("a fluent answer", metadata={"specialist": "chat"}, feedback=5))
+    assert rated.verified and rated.turns[-1].verified_by == ["feedback"]
+    parse_only = score_trace(DEMO, chat('{"type": "counter"}', metadata={"specialist": "genui"}))
+    assert parse_only.total == 1.0 and not parse_only.verified
+    with_schema = score_trace(
+        DEMO, chat('{"type": "counter"}', metadata={"specialist": "genui", "schema": {"type": "object"}})
+    )
+    assert with_schema.verified
+    call = {"role": "assistant", "content": "set_timer(minutes=5)"}
+    any_call = {"messages": [{"role": "user", "content": "x"}, call], "metadata": {"specialist": "agent"}}
+    assert score_trace(DEMO, any_call, harness=HARNESS).total == 1.0
+    assert not score_trace(DEMO, any_call, harness=HARNESS).verified
+    expected = {
+        **any_call,
+        "metadata": {
+            "specialist": "agent",
+            "expected_call": {"name": "set_timer", "arguments": {"minutes": 5}},
+        },
+    }
+    assert score_trace(DEMO, expected, harness=HARNESS).verified
+
+
+def test_a_contract_can_declare_which_scorers_verify():
+    spec = DEMO.model_copy(deep=True)
+    spec.specialists["chat"].scorers[1].verifies = True  # the length check, declared an outcome check
+    spec.specialists["chat"].scorers[0].verifies = False  # exact_match, declared not to count
+    assert score_trace(spec, chat("fine", metadata={"specialist": "chat"})).turns[-1].verified_by == [
+        "length"
+    ]
+    assert "exact_match" not in score_trace(spec, chat("4", "4")).turns[-1].verified_by
+
+
+def test_a_correction_is_scored_without_the_rating_it_came_with():
+    right = score_trace(DEMO, chat("5", "4", feedback={"rating": 1, "correction": "4"}))
+    assert right.correction == {"total": 1.0, "verified_by": ["exact_match"], "failed": [], "errors": {}}
+    wrong = score_trace(DEMO, chat("5", "4", feedback={"rating": 1, "correction": "6"}))
+    assert wrong.correction["failed"] == ["exact_match"] and wrong.correction["total"] < 0.8
+    assert score_trace(DEMO, chat("5", "4", feedback=1)).correction is None
+
+
+def test_stale_rows_are_scored_again_and_history_keeps_what_they_replaced(session):
+    from pipeline.registry.models import ScoreHistory
+    from pipeline.scoring import rescore_experience
+
+    add_traces(
+        session,
+        [chat("4", "4", metadata={"specialist": "chat"}), chat("hi", metadata={"specialist": "chat"})],
+    )
+    cv = add_contract(session, DEMO, "1")
+    first = score_experience(session=session, contract_version_id=cv)
+    assert first.scored == 2 and first.unverified == 1
+    total = {r.experience_id: r for r in session.scalars(select(Score).where(Score.scorer == "total"))}
+    assert total[1].verified is True and total[2].verified is False and total[1].specialist == "chat"
+    # a row written before verification was recorded counts as unscored
+    total[2].verified = None
+    session.commit()
+    again = score_experience(session=session, contract_version_id=cv)
+    assert again.scored == 1 and again.already_scored == 1 and again.superseded > 0
+    history = session.scalars(select(ScoreHistory)).all()
+    assert {h.experience_id for h in history} == {2} and all(
+        "before verification" in h.reason for h in history
+    )
+    # feedback that arrives later: the trace is scored again, the old rows kept beside the new ones
+    session.get(Experience, 2).feedback = {"rating": 5}
+    session.commit()
+    (done,) = rescore_experience(session=session, experience_ids=[2], reason="feedback arrived after scoring")
+    assert done.scored == 1 and done.unverified == 0
+    new = session.scalar(select(Score).where(Score.experience_id == 2, Score.scorer == "total"))
+    assert new.verified and new.details["verified_by"] == ["feedback"]
+    reasons = {h.reason for h in session.scalars(select(ScoreHistory).where(ScoreHistory.experience_id == 2))}
+    assert "feedback arrived after scoring" in reasons

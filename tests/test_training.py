@@ -47,6 +47,20 @@ def test_labels_cover_assistant_turns_only():
     assert tok.decode(ids).startswith("<s><|user|>")
 
 
+def test_only_the_final_assistant_turn_is_a_target():
+    """Exemplars and earlier turns are context: a held-out answer placed in them is never trained on."""
+    tok = build_tokenizer()
+    messages = [
+        {"role": "user", "content": "12+35=?"},
+        {"role": "assistant", "content": "47"},  # e.g. a few-shot exemplar
+        {"role": "user", "content": "20+21=?"},
+        {"role": "assistant", "content": "41"},
+    ]
+    ids, labels = encode_chat(tok, messages, max_len=128)
+    assert tok.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE]) == "41</s>"
+    assert "47" in tok.decode(ids)
+
+
 def test_packed_rows_do_not_attend_across_examples(base_dir):
     import torch
     from transformers import AutoModelForCausalLM

@@ -7,10 +7,13 @@ from typing import Annotated, Any
 
 import typer
 
+from pipeline.candidate import AdvanceConfig
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
 
 LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
+PromptsOpt = Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")]
+SamplesOpt = Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")]
 
 
 def lineage_rows(lineage: str) -> list[dict[str, Any]]:
@@ -23,6 +26,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
         numbers = {g.id: g.number for g in gens}
         for g in gens:
             ev = g.evaluation or {}
+            curate = ((g.state or {}).get("steps") or {}).get("curate") or {}
             rows.append(
                 {
                     "generation": g.number,
@@ -35,6 +39,11 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "scores": ev.get("scores", {}),
                     "overall": ev.get("overall"),
                     "router_accuracy": (ev.get("router") or {}).get("accuracy"),
+                    "attempt": ev.get("attempt"),
+                    "curation": {
+                        "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
+                        "dropped": curate.get("dropped") or {},
+                    },
                     "decision": g.decision,
                     "step": g.step,
                     "created_at": g.created_at.isoformat(),
@@ -137,14 +146,16 @@ def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
 def advance_cmd(
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles to run.")] = 1,
     lineage: LineageOpt = "main",
-    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist.")] = 1500,
-    samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
-    codesign: Annotated[bool, typer.Option(help="Try harness variants with the new adapters.")] = True,
-    seed: Annotated[int, typer.Option(help="Seed of sampling, data order and initialisation.")] = 0,
+    prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
+    samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
+    codesign: Annotated[
+        bool, typer.Option(help="Try harness variants with the new adapters.")
+    ] = AdvanceConfig.codesign,
+    seed: Annotated[
+        int, typer.Option(help="Seed of sampling, data order and initialisation.")
+    ] = AdvanceConfig.seed,
 ) -> None:
     """Build the next generation(s) from the champion; promote each only if it beats its parent."""
-    from pipeline.candidate import AdvanceConfig
-
     config = AdvanceConfig(
         lineage=lineage,
         prompts_per_specialist=prompts,
@@ -250,15 +261,14 @@ def rollback_cmd(lineage: LineageOpt = "main") -> None:
 @app.command("demo")
 def demo_cmd(
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 3,
-    prompts: Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")] = 1500,
-    samples: Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")] = 4,
-    seed: Annotated[int, typer.Option(help="Seed of the run.")] = 0,
+    prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
+    samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
+    seed: Annotated[int, typer.Option(help="Seed of the run.")] = AdvanceConfig.seed,
     lineage: LineageOpt = "main",
 ) -> None:
     """The whole loop on embedded defaults: build the tiny base, register generation 0, advance, show the lineage."""
     import time
 
-    from pipeline.candidate import AdvanceConfig
     from pipeline.cli.core import REPO_ROOT as root
     from pipeline.lineage import init_lineage
     from pipeline.settings import get_settings

@@ -201,13 +201,18 @@ def score(
                 s.scorer, s.specialist, str(s.n), _fmt(s.mean), _fmt(s.min), _fmt(s.max), str(s.failures)
             )
     console.print(table)
-    totals = Table(title=f"per specialist (selectable: total >= {contract.selection.min_score:g})")
-    for col in ("specialist", "traces", "scored", "mean total", "selectable"):
+    threshold = contract.selection.min_score
+    totals = Table(title=f"per specialist (learnable: verified and total >= {threshold:g})")
+    for col in ("specialist", "traces", "scored", "mean total", "verified", "learnable"):
         totals.add_column(col, justify="left" if col == "specialist" else "right")
     for s in stats:
         if s.scorer == TOTAL:
-            count = sum(1 for r in results if r.specialist == s.specialist)
-            totals.add_row(s.specialist, str(count), str(s.n), _fmt(s.mean), str(s.n - s.failures))
+            mine = [r for r in results if r.specialist == s.specialist]
+            verified = [r for r in mine if r.verified]
+            learnable = sum(1 for r in verified if r.total is not None and r.total >= threshold)
+            totals.add_row(
+                s.specialist, str(len(mine)), str(s.n), _fmt(s.mean), str(len(verified)), str(learnable)
+            )
     console.print(totals)
     errors = [
         f"trace {i + 1} turn {t.turn} {k}: {e}"

@@ -5,9 +5,9 @@
 from one operator:
 
 - ``fewshot``: each specialist's exemplars become a few of its top-scoring exchanges (the newest user
-  message and the replies after it), chosen only among traces at or above the contract's selection
-  threshold, never held-out ones, and only as many as fit the context budget next to the longest
-  prompt seen (so a real turn still fits);
+  message and the replies after it), chosen only among traces the contract verified at or above its
+  selection threshold, never ones the held-out predicate excludes (``pipeline.heldout``), and only as
+  many as fit the context budget next to the longest prompt seen (so a real turn still fits);
 - ``decoding``: ``max_new_tokens`` tightened to the longest successful answer (characters, an upper
   bound of tokens for any tokenizer on ASCII text) plus a margin, and ``"\\n"`` added as a stop string
   when no successful answer contains a newline. Never loosened: no evidence says longer answers help;
@@ -30,7 +30,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -45,6 +45,9 @@ from pipeline.prompting import (
 )
 from pipeline.spec import content_hash
 from pipeline.toolcalls import call_text, compact_value_ok
+
+if TYPE_CHECKING:
+    from pipeline.heldout import HeldoutIndex
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +89,20 @@ def parent_variant(parent: HarnessSpec) -> HarnessVariant:
 
 
 # ------------------------------------------------------------------------------------------ evidence
-def _eligible(traces: list[dict[str, Any]], contract: ContractSpec) -> list[dict[str, Any]]:
-    """Traces at or above the selection threshold, not held out, best first (stable)."""
+def _eligible(
+    traces: list[dict[str, Any]], contract: ContractSpec, heldout: HeldoutIndex
+) -> list[dict[str, Any]]:
+    """Verified traces at or above the selection threshold, not held out, best first (stable)."""
     out = []
     for t in traces:
-        meta = t.get("metadata") or {}
         score = t.get("score")
+        if t.get("verified") is not True:
+            continue
         if not isinstance(score, (int, float)) or score < contract.selection.min_score:
             continue
-        if meta.get("split") == "heldout" or t.get("source") == "evaluation":
+        if heldout.exclusion(
+            messages=t.get("messages") or [], metadata=t.get("metadata"), source=t.get("source")
+        ):
             continue
         if _exchange(t.get("messages") or []) is None:
             continue
@@ -296,14 +304,16 @@ def propose_variants(
     *,
     top_traces: dict[str, list[dict[str, Any]]],
     contract: ContractSpec,
+    heldout: HeldoutIndex,
     rng_seed: int,
     max_variants: int = 3,
     include_parent: bool = False,
 ) -> list[HarnessVariant]:
     """Up to ``max_variants`` distinct new variants (the parent first when ``include_parent``).
 
-    ``top_traces[specialist]`` holds scored traces ``{"messages", "score", "specialist"}`` (optionally
-    ``metadata``, ``source``), e.g. the best experience of the parent generation under ``contract``.
+    ``top_traces[specialist]`` holds scored traces ``{"messages", "score", "verified", "specialist"}``
+    (optionally ``metadata``, ``source``), e.g. the best experience of the lineage under ``contract``; only
+    verified ones that ``heldout`` does not exclude become exemplars.
     Deterministic for the same inputs and ``rng_seed``; the operators are tried in an order drawn from
     the seed, so a small ``max_variants`` still reaches every operator over successive generations.
     Raises ``RatchetError`` when the parent itself violates the contract.
@@ -312,7 +322,8 @@ def propose_variants(
     evidence = {
         name: eligible
         for name in parent.specialists
-        if name in contract.specialists and (eligible := _eligible(top_traces.get(name) or [], contract))
+        if name in contract.specialists
+        and (eligible := _eligible(top_traces.get(name) or [], contract, heldout))
     }
     order = list(OPERATORS)
     random.Random(f"codesign:{rng_seed}:order").shuffle(order)

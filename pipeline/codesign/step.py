@@ -24,8 +24,9 @@ def codesign_step(
     """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
     from pipeline.codesign.operators import propose_variants
     from pipeline.compatibility import check_harness
-    from pipeline.curation import lineage_candidates
+    from pipeline.curation import eligible_examples, lineage_candidates
     from pipeline.evaluation import score_pair
+    from pipeline.heldout import heldout_index
     from pipeline.pair import PairSpec, pair_for_generation
     from pipeline.registry import get_engine, register_harness, session_scope
 
@@ -35,20 +36,32 @@ def codesign_step(
         contract = contract_of(gen)
         pair = pair_for_generation(gen)
         parent_harness = pair.harness
-        candidates = lineage_candidates(session, gen, contract)
+        candidates, _ = lineage_candidates(session, gen, contract)
         number = gen.number
     if not config.codesign:
         outcome = {"chosen": parent_harness.version, "variants": {}}
     else:
+        # Exemplar material: verified experience that passed the selection rules (held out: never there).
         top: dict[str, list[dict[str, Any]]] = {}
-        for c in sorted(candidates, key=lambda c: -(c.score or 0)):
-            if c.score is not None and c.metadata.get("split") != "heldout" and c.source != "evaluation":
-                top.setdefault(c.specialist, []).append(
-                    {"messages": c.messages, "score": c.score, "specialist": c.specialist}
-                )
+        for cand, messages, score in sorted(eligible_examples(candidates, contract), key=lambda e: -e[2]):
+            top.setdefault(cand.specialist, []).append(
+                {
+                    "messages": messages,
+                    "score": score,
+                    "verified": True,
+                    "specialist": cand.specialist,
+                    "metadata": cand.metadata,
+                    "source": cand.source,
+                    "experience_id": cand.experience_id,
+                }
+            )
         top = {s: v[:20] for s, v in top.items()}
         variants = propose_variants(
-            parent_harness, top_traces=top, contract=contract, rng_seed=step_seed(config, number, "codesign")
+            parent_harness,
+            top_traces=top,
+            contract=contract,
+            heldout=heldout_index(contract),
+            rng_seed=step_seed(config, number, "codesign"),
         )
         items = validation_items(
             sorted(pair.adapters), n=config.validation_items, seed=step_seed(config, number, "validation")

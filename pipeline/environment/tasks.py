@@ -16,9 +16,10 @@ family        prompt                      answer (checked by)
               ``progress 12+35``          a JSON Schema whose ``const`` pins the value)
 ============  ==========================  ==========================================================
 
-Split: the canonical problem is the pair ``(a, b)``; ``split_of(a, b)`` puts ~20% of all pairs in
-``heldout`` by a hash of ``"a+b"``, for every family at once, so no held-out sum is ever practised in any
-format. Training streams (``sample_prompts``, ``training_corpus``) only draw train pairs.
+Split: the canonical problem is the unordered pair ``{a, b}``; ``split_of(a, b)`` puts ~20% of all pairs
+in ``heldout`` by a hash of ``"min+max"``, for every family at once, so no held-out sum is ever practised
+in any format or in either order (``b+a`` is the same problem as ``a+b``). Training streams
+(``sample_prompts``, ``training_corpus``) only draw train pairs.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ WIDGET_KEY = {"counter": "value", "progress": "percent"}
 
 
 def split_of(a: int, b: int) -> str:
-    """``heldout`` or ``train`` for the canonical problem ``a+b`` (a pure function of the pair)."""
-    return "heldout" if hashlib.sha256(f"{a}+{b}".encode()).digest()[0] < HELDOUT_PER_256 else "train"
+    """``heldout`` or ``train`` for the problem ``a+b`` (a pure function of the unordered pair: ``b+a``
+    is on the same side)."""
+    low, high = min(a, b), max(a, b)
+    return "heldout" if hashlib.sha256(f"{low}+{high}".encode()).digest()[0] < HELDOUT_PER_256 else "train"
 
 
 @functools.cache

@@ -36,9 +36,10 @@ from pipeline.registry.models import (
     HarnessVersion,
     Quarantine,
     Score,
+    ScoreHistory,
     TrainingDataset,
 )
-from pipeline.registry.scores import ScoreRow, insert_scores
+from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
 from pipeline.registry.versions import (
     audit,
     get_contract_version,
@@ -63,6 +64,7 @@ __all__ = [
     "HarnessVersion",
     "Quarantine",
     "Score",
+    "ScoreHistory",
     "TraceRow",
     "TrainingDataset",
     "attach_feedback",
@@ -90,6 +92,7 @@ __all__ = [
     "register_harness",
     "rollback_champion",
     "session_scope",
+    "supersede_scores",
     "set_generation_adapter",
     "set_generation_status",
     "upgrade_db",

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from sqlalchemy import (
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -264,7 +265,10 @@ class Experience(Base):
 
 
 class Score(Base):
-    """One scorer's value for one trace under one contract version."""
+    """One scorer's value for one trace under one contract version (the ``total`` row: the trace's).
+
+    ``verified``: the value checked the outcome (for ``total``: the trace's final turn was verified, so it
+    may be learned from); NULL for rows scored before that was recorded. ``specialist``: the trace's."""
 
     __tablename__ = "scores"
     __table_args__ = (UniqueConstraint("experience_id", "contract_version_id", "scorer"),)
@@ -273,8 +277,27 @@ class Score(Base):
     contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"), index=True)
     scorer: Mapped[str] = mapped_column(String(100))
     value: Mapped[float | None] = mapped_column(Float)
+    verified: Mapped[bool | None] = mapped_column(Boolean)
+    specialist: Mapped[str | None] = mapped_column(String(100))
     details: Mapped[dict] = mapped_column(JSONText, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ScoreHistory(Base):
+    """A score row replaced by a re-score (e.g. feedback that arrived after scoring), kept for audit."""
+
+    __tablename__ = "score_history"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    experience_id: Mapped[int] = mapped_column(ForeignKey("experience.id", ondelete="CASCADE"), index=True)
+    contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"))
+    scorer: Mapped[str] = mapped_column(String(100))
+    value: Mapped[float | None] = mapped_column(Float)
+    verified: Mapped[bool | None] = mapped_column(Boolean)
+    specialist: Mapped[str | None] = mapped_column(String(100))
+    details: Mapped[dict] = mapped_column(JSONText, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    superseded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    reason: Mapped[str] = mapped_column(Text)
 
 
 class Quarantine(Base):

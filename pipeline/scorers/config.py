@@ -74,6 +74,15 @@ class ScorerBase(StrictModel):
         le=1.0,
         description="Values below this count as failures (for `required` gates and the failure counts).",
     )
+    verifies: bool | None = Field(
+        default=None,
+        description="Whether this scorer's value verifies the turn's outcome (only turns that a verifying "
+        "scorer checked are learned from, used as exemplars or as router data). Default: the kind decides "
+        "per turn: exact_match (a reference answer), python_tests (tests ran), feedback (a user's rating) "
+        "and judge (a verdict) verify whenever they apply, json_schema only with a schema, tool_call only "
+        "against an expected call; length and regex grade form and never do. `false`: never; `true`: "
+        "whenever it applies (e.g. a regex that pins the answer).",
+    )
     scope: Literal["final", "each"] | None = Field(
         default=None,
         description="`final`: only the trace's last assistant turn; `each`: every assistant turn of the "
@@ -84,6 +93,12 @@ class ScorerBase(StrictModel):
     def key(self) -> str:
         """The scorer's result name."""
         return self.name or self.kind  # type: ignore[attr-defined]
+
+    def verifies_outcome(self, value: float | None, verified: bool) -> bool:
+        """Whether an outcome of this scorer (its value, and what the kind said) verifies the turn."""
+        if value is None or self.verifies is False:
+            return False
+        return True if self.verifies else verified
 
     @property
     def effective_scope(self) -> str:
@@ -244,6 +259,11 @@ class JudgeScorer(ScorerBase):
     kind: Literal["judge"] = Field(description="Ask a judge model to grade the answer.")
     base_url: str = Field(description="OpenAI-compatible API root, e.g. `http://localhost:8000/v1`.")
     model: str = Field(description="Model name sent to the endpoint.")
+    model_version: str = Field(
+        min_length=1,
+        description="Which weights serve `model` (a snapshot date, a hash): part of the contract version, so "
+        "a judge that changed makes a new contract version and earlier verdicts stay comparable.",
+    )
     rubric: str = Field(min_length=1, description="What a good answer is; the judge replies with a grade.")
     max_grade: float = Field(
         default=10.0, gt=0, description="The judge grades 0..max_grade; value = grade / max."

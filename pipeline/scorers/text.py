@@ -55,13 +55,13 @@ def score_exact_match(cfg: ExactMatchScorer, ctx: TurnContext) -> ScorerOutcome:
     for option in options:
         want = normalise(str(option), cfg)
         if cfg.contains and want in answer:
-            return ScorerOutcome(1.0)
+            return ScorerOutcome(1.0, verified=True)
         if answer == want:
-            return ScorerOutcome(1.0)
+            return ScorerOutcome(1.0, verified=True)
         if answer_num is not None and (want_num := _as_number(want)) is not None and answer_num == want_num:
-            return ScorerOutcome(1.0)
+            return ScorerOutcome(1.0, verified=True)
     shown = options[0] if len(options) == 1 else options
-    return ScorerOutcome(0.0, f"expected {shown!r}, got {ctx.text[:200]!r}")
+    return ScorerOutcome(0.0, f"expected {shown!r}, got {ctx.text[:200]!r}", verified=True)
 
 
 def score_regex(cfg: RegexScorer, ctx: TurnContext) -> ScorerOutcome:
@@ -86,8 +86,8 @@ def score_json_schema(cfg: JsonSchemaScorer, ctx: TurnContext) -> ScorerOutcome:
     try:
         data = parse_json_content(ctx.text)
     except ValueError as exc:
-        return ScorerOutcome(0.0, str(exc))
-    if schema is None:
+        return ScorerOutcome(0.0, str(exc), verified=isinstance(schema, dict))
+    if schema is None:  # form only: nothing says what the JSON should be
         return ScorerOutcome(1.0, info={"note": "no schema: checked that the answer parses as JSON"})
     if not isinstance(schema, dict):
         return ScorerOutcome(None, f"metadata.{cfg.schema_field} is not a JSON Schema object")
@@ -97,11 +97,13 @@ def score_json_schema(cfg: JsonSchemaScorer, ctx: TurnContext) -> ScorerOutcome:
         return ScorerOutcome(None, f"invalid schema in metadata.{cfg.schema_field}: {exc.message}")
     errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if not errors:
-        return ScorerOutcome(1.0)
+        return ScorerOutcome(1.0, verified=True)
     first = errors[0]
     where = "/".join(str(p) for p in first.absolute_path) or "<root>"
     return ScorerOutcome(
-        0.5 if cfg.partial_credit else 0.0, f"{len(errors)} schema error(s); at {where}: {first.message}"
+        0.5 if cfg.partial_credit else 0.0,
+        f"{len(errors)} schema error(s); at {where}: {first.message}",
+        verified=True,
     )
 
 
@@ -136,4 +138,4 @@ def score_feedback(cfg: FeedbackScorer, ctx: TurnContext) -> ScorerOutcome:
     if rating is None:
         return NOT_APPLICABLE
     value = (rating - cfg.min_rating) / (cfg.max_rating - cfg.min_rating)
-    return ScorerOutcome(min(1.0, max(0.0, value)), info={"rating": rating})
+    return ScorerOutcome(min(1.0, max(0.0, value)), info={"rating": rating}, verified=True)

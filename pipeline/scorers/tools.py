@@ -88,7 +88,12 @@ def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any],
 
 
 def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
-    """1 when every call is valid against the harness tools and (if given) one matches the expected call."""
+    """1 when every call is valid against the harness tools and (if given) one matches the expected call.
+
+    Verified only against an expected call: a call that merely fits some tool's schema says nothing about
+    whether it was the right action."""
+    expected = ctx.metadata.get(cfg.expected_field)
+    checked = cfg.match_expected and isinstance(expected, dict) and "name" in expected
     calls = extract_calls(
         ctx.message,
         accept_content_json=cfg.accept_content_json,
@@ -96,28 +101,29 @@ def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
     )
     if not calls:
         if cfg.require_call and ctx.is_final and not ctx.specialist_called_tool:
-            return ScorerOutcome(0.0, "no tool call")
+            return ScorerOutcome(0.0, "no tool call", verified=checked)
         return NOT_APPLICABLE
     parsed = []
     for call in calls:
         if not isinstance(call["name"], str):
-            return ScorerOutcome(0.0, "tool call without a function name")
+            return ScorerOutcome(0.0, "tool call without a function name", verified=checked)
         try:
             args, problem = _check_call(call, ctx)
         except ValueError as exc:
-            return ScorerOutcome(0.0, f"{call['name']}: {exc}")
+            return ScorerOutcome(0.0, f"{call['name']}: {exc}", verified=checked)
         if problem:
-            return ScorerOutcome(0.0, problem)
+            return ScorerOutcome(0.0, problem, verified=checked)
         parsed.append({"name": call["name"], "arguments": args})
     info: dict[str, Any] = {"calls": parsed}
     if ctx.harness is None:
         info["note"] = "no harness: tool names and argument schemas not checked"
-    expected = ctx.metadata.get(cfg.expected_field)
-    if cfg.match_expected and isinstance(expected, dict) and "name" in expected:
+    if checked:
         want_args = expected.get("arguments") or {}
         if isinstance(want_args, str):
             want_args = _arguments(want_args)
         want = {"name": expected["name"], "arguments": want_args}
         if want not in parsed:
-            return ScorerOutcome(0.0, f"expected call {json.dumps(want, sort_keys=True)}", info)
-    return ScorerOutcome(1.0, None, info)
+            return ScorerOutcome(
+                0.0, f"expected call {json.dumps(want, sort_keys=True)}", info, verified=True
+            )
+    return ScorerOutcome(1.0, None, info, verified=checked)

@@ -100,6 +100,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+MAX_METADATA_BYTES = 64 << 10
+
+
 class ChatRequest(BaseModel):
     """``POST /v1/chat/completions`` body (unknown OpenAI parameters are accepted and ignored)."""
 
@@ -117,6 +120,7 @@ class ChatRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     seed: StrictInt | None = None
+    metadata: dict[str, Any] | None = None  # stored with the trace: what the deployment knows (`expected`...)
 
     _numbers = field_validator("temperature", "top_p", mode="before")(_no_str_or_bool)
 
@@ -125,6 +129,13 @@ class ChatRequest(BaseModel):
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop sequences")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, default=str)) > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
         return value
 
     @field_validator("messages")

@@ -1,17 +1,21 @@
-"""Router accuracy on a labelled held-out set, recorded per generation (see ``measure_router``).
+"""Router accuracy on the contract's labelled routing suite, recorded per generation (``measure_router``).
 
-Labels come from the environment's held-out suites (the task family is the specialist that should
-serve it) or from traces whose ``metadata.specialist`` the contract scored best. The router's
-configuration is part of the harness, so the accuracy belongs to the (generation, harness version).
+The suite (``contract.routing``) holds requests written differently from the harness's signal patterns,
+each labelled with the specialist that should serve it; its prompts are held out (never router training
+data). The router's configuration is part of the harness, so the accuracy belongs to the (generation,
+harness version).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.harness import HarnessSpec
 from pipeline.serving.router import RouteTurn, TokenClassifier, evaluate_router, turn_from_messages
+
+if TYPE_CHECKING:
+    from pipeline.contract import ContractSpec
 
 
 def routing_items(
@@ -31,15 +35,15 @@ def routing_items(
     return items
 
 
-def heldout_routing_items(n_per_family: int = 50, seed: int = 0) -> list[tuple[RouteTurn, str]]:
-    """Labelled turns from the environment's held-out suites (label = task family)."""
-    from pipeline.environment import FAMILIES, heldout_suite
-
-    traces = []
-    for family in FAMILIES:
-        for item in heldout_suite(family, n_per_family, seed):
-            traces.append({**item, "metadata": {**item.get("metadata", {}), "specialist": family}})
-    return routing_items(traces)
+def suite_items(contract: ContractSpec) -> list[tuple[RouteTurn, str]]:
+    """``(turn, label)`` pairs of the contract's routing suite (empty without one)."""
+    if contract.routing is None:
+        return []
+    return [
+        (turn_from_messages([{"role": "user", "content": prompt}]), specialist)
+        for specialist, prompts in contract.routing.prompts.items()
+        for prompt in prompts
+    ]
 
 
 def fit_router_classifier(

@@ -150,12 +150,12 @@ def create_app(config: ServeConfig) -> FastAPI:
         assert state.recorder is not None
         await asyncio.to_thread(state.recorder.flush)
         try:
-            await asyncio.to_thread(_attach, state.db, body)
+            rescored = await asyncio.to_thread(_attach, state.db, body)
         except NotFoundError as exc:
             raise ApiError(404, str(exc), param="completion_id", code="not_found") from None
         except RatchetError as exc:
             raise ApiError(400, str(exc)) from None
-        return {"object": "feedback", "completion_id": body.completion_id, "ok": True}
+        return {"object": "feedback", "completion_id": body.completion_id, "ok": True, "rescored": rescored}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -193,13 +193,23 @@ def create_app(config: ServeConfig) -> FastAPI:
     return app
 
 
-def _attach(db: Any, body: FeedbackRequest) -> None:
+def _attach(db: Any, body: FeedbackRequest) -> int:
+    """Attach the feedback, then score the turn again under every contract version that scored it (the old
+    scores stay in the history): a rating or correction that arrives late still counts. Returns how many
+    contract versions re-scored it."""
     from pipeline.registry import attach_feedback, session_scope
+    from pipeline.scoring import rescore_experience
 
     with session_scope(db) as session:
-        attach_feedback(
+        row = attach_feedback(
             session=session, completion_id=body.completion_id, rating=body.rating, correction=body.correction
         )
+        experience_id = row.id
+    with session_scope(db) as session:
+        done = rescore_experience(
+            session=session, experience_ids=[experience_id], reason="feedback arrived after scoring"
+        )
+    return len(done)
 
 
 async def _stream(state: ServerState, turn: ChatTurn, meta: dict) -> AsyncIterator[str]:

@@ -240,6 +240,9 @@ class ServerState:
         routes.append(decision.as_route(len(messages)))
         summaries[str(len(messages))] = summary
         metadata = {
+            # what the client said it knows about the turn (e.g. the expected answer, tests, a schema): the
+            # contract's scorers read it; the server's own fields below always win
+            **(turn.req.metadata or {}),
             "specialist": decision.specialist,
             "generation": served.number,
             "latency_ms": latency_ms,

@@ -19,6 +19,7 @@ TABLES = {
     "generation_adapters",
     "experience",
     "scores",
+    "score_history",
     "quarantine",
     "datasets",
     "audit_log",
@@ -107,7 +108,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0002" in capsys.readouterr().out
+    assert "revision 0003" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:

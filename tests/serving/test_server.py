@@ -3,6 +3,8 @@ server keeps serving, the API key is enforced, and served turns become experienc
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -203,3 +205,54 @@ def test_stop_sequences_and_seeded_sampling_over_http(client):
     sampled = {**body, "temperature": 1.5, "top_p": 0.9, "seed": 5}
     a, b = (client.post("/v1/chat/completions", json=sampled).json() for _ in range(2))
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_request_metadata_is_kept_and_late_feedback_rescores_the_turn(client, shared_registry):
+    """A deployment that knows the expected outcome says so in the request's metadata (the server's own
+    fields win); a rating that arrives after scoring re-scores the turn, and the old scores stay."""
+    from pathlib import Path
+
+    from sqlalchemy import select
+
+    from pipeline.contract import load_contract
+    from pipeline.registry import Score, ScoreHistory, get_engine, register_contract, session_scope
+    from pipeline.scoring import score_experience
+
+    meta = {"expected": "47", "specialist": "agent", "ticket": "T-1"}
+    cid = client.post("/v1/chat/completions", json={**OK, "metadata": meta}).json()["id"]
+    plain = client.post("/v1/chat/completions", json=OK).json()["id"]
+    state = client.app.state.ratchet
+    deadline = time.monotonic() + 10  # turns are written off the request path
+    while (
+        not ({cid, plain} <= {e.completion_id for e in experience_rows(shared_registry)})
+        and time.monotonic() < deadline
+    ):
+        state.recorder.flush()
+    rows = {e.completion_id: e for e in experience_rows(shared_registry)}
+    assert rows[cid].meta["expected"] == "47" and rows[cid].meta["ticket"] == "T-1"
+    assert rows[cid].meta["specialist"] == "chat"  # routed by the server, whatever the client claimed
+    spec = load_contract(Path(__file__).resolve().parents[2] / "contracts" / "demo.yaml")
+    with session_scope(get_engine(shared_registry)) as s:
+        cv = register_contract(
+            session=s, name=spec.name, version=spec.version, spec=spec.model_dump(mode="json")
+        ).id
+    with session_scope(get_engine(shared_registry)) as s:
+        score_experience(session=s, contract_version_id=cv)
+
+    def total(completion_id):
+        with session_scope(get_engine(shared_registry)) as s:
+            exp_id = next(e.id for e in experience_rows(shared_registry) if e.completion_id == completion_id)
+            row = s.scalar(select(Score).where(Score.experience_id == exp_id, Score.scorer == "total",
+                                               Score.contract_version_id == cv))  # fmt: skip
+            history = s.scalars(select(ScoreHistory).where(ScoreHistory.experience_id == exp_id)).all()
+            return (
+                row.verified,
+                row.details["verified_by"],
+                [h.reason for h in history if h.scorer == "total"],
+            )
+
+    assert total(cid)[:2] == (True, ["exact_match"])  # checked against what the deployment said
+    assert total(plain)[:2] == (False, [])  # nothing to check it against: never learned from
+    r = client.post("/v1/feedback", json={"completion_id": plain, "rating": 5})
+    assert r.status_code == 200 and r.json()["rescored"] == 1
+    assert total(plain) == (True, ["feedback"], ["feedback arrived after scoring"])

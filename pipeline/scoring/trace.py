@@ -1,17 +1,18 @@
-"""Scoring traces under a contract: pure functions first, then the registry step.
+"""Scoring one trace under a contract: pure functions (no registry).
 
 ``score_trace`` scores every assistant turn with the scorers of the specialist that served it and
 aggregates per the contract: scorer values -> turn score (weighted mean or min, zeroed by a failed
-``required`` gate) -> trace total (mean of the scored turns). ``score_experience`` does this for every
-trace in the registry not yet scored under a contract version, in batches, storing one ``Score`` row
-per scorer plus a ``total`` row.
+``required`` gate) -> trace total (mean of the scored turns). A turn is *verified* when at least one
+scorer that verifies outcomes (``ScorerBase.verifies_outcome``) applied to it; a trace is verified when
+its final assistant turn -- the only one it can teach -- is. A user's correction is scored as the trace
+with the corrected final turn (the user's rating, which judged the original answer, left out).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from statistics import mean
@@ -22,9 +23,7 @@ from pipeline.harness import HarnessSpec
 from pipeline.scorers import TurnContext, called_tool, run_scorer
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
-    from pipeline.candidate import AdvanceConfig, Progress
+    pass
 
 log = logging.getLogger(__name__)
 TOTAL = "total"
@@ -40,6 +39,8 @@ class TurnScore:
     errors: dict[str, str]
     total: float | None
     gated_by: str | None = None
+    verified_by: list[str] = field(default_factory=list)  # the verifying scorers that applied
+    failed_checks: list[str] = field(default_factory=list)  # ... and of those, the ones below pass_threshold
 
 
 @dataclass
@@ -52,6 +53,12 @@ class TraceScoreResult:
     details: dict[str, dict[str, Any]]
     turns: list[TurnScore] = field(default_factory=list)
     by_specialist: dict[str, float | None] = field(default_factory=dict)
+    correction: dict[str, Any] | None = None  # the corrected trace's total, verifiers and failed checks
+
+    @property
+    def verified(self) -> bool:
+        """Whether the final assistant turn (the training target) was checked by a verifying scorer."""
+        return bool(self.turns) and bool(self.turns[-1].verified_by)
 
     @property
     def errors(self) -> int:
@@ -127,6 +134,7 @@ def score_trace(
         )
         values: dict[str, float | None] = {}
         errors: dict[str, str] = {}
+        verified_by, failed = [], []
         if known != name:
             errors["specialist"] = f"{name!r} is not in the contract; scored as {known!r}"
         for cfg in entry.scorers:
@@ -134,9 +142,42 @@ def score_trace(
             values[cfg.key] = outcome.value
             if outcome.error:
                 errors[cfg.key] = outcome.error
+            if cfg.verifies_outcome(outcome.value, outcome.verified):
+                verified_by.append(cfg.key)
+                if outcome.value < cfg.pass_threshold:
+                    failed.append(cfg.key)
         total, gate = aggregate_turn(list(entry.scorers), values, entry.aggregate)
-        turns.append(TurnScore(index, name, values, errors, total, gate))
-    return _summarise(contract, trace, served, turns)
+        turns.append(TurnScore(index, name, values, errors, total, gate, verified_by, failed))
+    result = _summarise(contract, trace, served, turns)
+    corrected = corrected_trace(trace)
+    if corrected is not None:
+        checked = score_trace(contract, corrected, harness=harness, specialist=specialist)
+        final = checked.turns[-1] if checked.turns else None
+        result.correction = {
+            "total": checked.total,
+            "verified_by": final.verified_by if final else [],
+            "failed": final.failed_checks if final else [],
+            "errors": final.errors if final else {},
+        }
+    return result
+
+
+def corrected_trace(trace: dict[str, Any]) -> dict[str, Any] | None:
+    """The trace with its final assistant turn replaced by the user's ``feedback.correction`` (and nothing
+    after it), without the feedback itself; None when there is no correction."""
+    fb = trace.get("feedback")
+    correction = fb.get("correction") if isinstance(fb, dict) else None
+    if not isinstance(correction, str) or not correction.strip():
+        return None
+    messages = trace.get("messages") or []
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        return None
+    return {
+        **trace,
+        "messages": [*messages[:last], {"role": "assistant", "content": correction}],
+        "feedback": None,
+    }
 
 
 def _summarise(
@@ -177,16 +218,20 @@ def total_details(result: TraceScoreResult) -> dict[str, Any]:
     return {
         "specialist": result.specialist,
         "by_specialist": result.by_specialist,
+        "verified": result.verified,
+        "verified_by": result.turns[-1].verified_by if result.turns else [],
         "turns": [
             {
                 "turn": t.turn,
                 "specialist": t.specialist,
                 "total": t.total,
+                "verified_by": t.verified_by,
                 **({"gated_by": t.gated_by} if t.gated_by else {}),
             }
             for t in result.turns
         ],
         "errors": {t.turn: t.errors for t in result.turns if t.errors},
+        **({"correction": result.correction} if result.correction is not None else {}),
     }
 
 
@@ -257,153 +302,3 @@ def summarise_results(contract: ContractSpec, results: list[TraceScoreResult]) -
         )
     out.sort(key=lambda s: (s.scorer == TOTAL, s.specialist, s.scorer))
     return out
-
-
-# ----------------------------------------------------------------------------------------- registry
-@dataclass
-class ScoreRunResult:
-    """What a ``score_experience`` run did."""
-
-    contract_version_id: int
-    scored: int = 0
-    rows: int = 0
-    already_scored: int = 0
-    unscorable: int = 0
-    errors: int = 0
-    by_specialist: dict[str, int] = field(default_factory=dict)
-
-
-def score_experience(
-    *,
-    session: Session,
-    contract_version_id: int,
-    batch_size: int = 500,
-    rescore: bool = False,
-    progress: Callable[[int], None] | None = None,
-    harness: HarnessSpec | None = None,
-    workers: int | None = None,
-) -> ScoreRunResult:
-    """Score every trace that has no ``scores`` row under ``contract_version_id``.
-
-    Streams the ``experience`` table by id in batches of ``batch_size`` (committing after each, so
-    an interrupted run resumes where it stopped), and writes one ``Score`` row per scorer plus a
-    ``total`` row whose details name the trace's specialist. Scores under other contract versions
-    are untouched. ``rescore=True`` replaces this version's scores for every trace. Each trace is
-    scored with the harness version it was served by (``harness`` is the fallback for traces that
-    name none). ``progress(n)`` is called with the number of traces done after each batch.
-    """
-    from sqlalchemy import delete, exists, func, select
-
-    from pipeline.clock import CLOCK
-    from pipeline.contract import ContractSpec as _Contract
-    from pipeline.errors import NotFoundError
-    from pipeline.registry.models import ContractVersion, Experience, HarnessVersion, Score
-    from pipeline.registry.scores import ScoreRow, insert_scores
-
-    row = session.get(ContractVersion, contract_version_id)
-    if row is None:
-        raise NotFoundError(f"contract version id {contract_version_id} does not exist in the registry")
-    contract = _Contract.model_validate(row.spec)
-    result = ScoreRunResult(contract_version_id=contract_version_id)
-    has_scores = exists().where(
-        Score.experience_id == Experience.id, Score.contract_version_id == contract_version_id
-    )
-    if not rescore:
-        result.already_scored = (
-            session.scalar(select(func.count()).select_from(Experience).where(has_scores)) or 0
-        )
-    harnesses: dict[int, HarnessSpec | None] = {}
-
-    def harness_for(version_id: int | None) -> HarnessSpec | None:
-        if version_id is None:
-            return harness
-        if version_id not in harnesses:
-            hv = session.get(HarnessVersion, version_id)
-            try:
-                harnesses[version_id] = HarnessSpec.model_validate(hv.spec) if hv is not None else harness
-            except ValueError as exc:
-                log.warning("harness version %s does not validate (%s); using the fallback", version_id, exc)
-                harnesses[version_id] = harness
-        return harnesses[version_id]
-
-    columns = (
-        Experience.id,
-        Experience.messages,
-        Experience.meta,
-        Experience.feedback,
-        Experience.routes,
-        Experience.specialist,
-        Experience.harness_version_id,
-    )
-    last_id = 0
-    workers = workers or min(4, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        while True:
-            stmt = select(*columns).where(Experience.id > last_id).order_by(Experience.id).limit(batch_size)
-            if not rescore:
-                stmt = stmt.where(~has_scores)
-            rows = session.execute(stmt).all()
-            if not rows:
-                break
-            last_id = rows[-1].id
-            jobs = []
-            for r in rows:
-                meta = dict(r.meta or {})
-                if r.specialist and not meta.get("specialist"):
-                    meta["specialist"] = r.specialist
-                trace = {
-                    "messages": r.messages or [],
-                    "metadata": meta,
-                    "feedback": r.feedback,
-                    "routes": r.routes,
-                }
-                jobs.append((r.id, trace, harness_for(r.harness_version_id)))
-            with CLOCK.measure("score"):
-                scored = list(pool.map(lambda job: score_trace(contract, job[1], harness=job[2]), jobs))
-            ids = [job[0] for job in jobs]
-            if rescore:
-                session.execute(
-                    delete(Score).where(
-                        Score.contract_version_id == contract_version_id, Score.experience_id.in_(ids)
-                    )
-                )
-            new_rows = []
-            for exp_id, res in zip(ids, scored, strict=True):
-                for key, value in res.values.items():
-                    new_rows.append(ScoreRow(exp_id, contract_version_id, key, value, res.details[key]))
-                new_rows.append(ScoreRow(exp_id, contract_version_id, TOTAL, res.total, total_details(res)))
-                result.scored += 1
-                result.errors += res.errors
-                result.unscorable += res.total is None
-                result.by_specialist[res.specialist] = result.by_specialist.get(res.specialist, 0) + 1
-            result.rows += insert_scores(session=session, rows=new_rows)  # one executemany per batch
-            session.commit()
-            if progress is not None:
-                progress(len(rows))
-    return result
-
-
-def score_step(
-    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
-) -> dict[str, Any]:
-    """Score all experience not yet scored under the candidate's contract version."""
-    from pipeline.candidate import load_generation, mark_step
-    from pipeline.registry import get_engine, session_scope
-
-    engine = get_engine()
-    with session_scope(engine) as session:
-        contract_version_id = load_generation(session, generation_id).contract_version_id
-    done = 0
-
-    def report(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("score", done, 0)
-
-    with session_scope(engine) as session:
-        result = score_experience(session=session, contract_version_id=contract_version_id, progress=report)
-    outcome = {"scored": result.scored, "errors": result.errors, "by_specialist": result.by_specialist}
-    with session_scope(engine) as session:
-        mark_step(session, load_generation(session, generation_id), "score", outcome)
-    return outcome

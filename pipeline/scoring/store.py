@@ -1,0 +1,253 @@
+"""The scoring step: every trace in the registry scored under a contract version, in resumable batches.
+
+``score_experience`` scores what has no current score under a version and stores one ``Score`` row per
+scorer plus a ``total`` row (its ``verified`` says whether the trace may be learned from);
+``rescore_experience`` replaces the scores of given traces (feedback that arrived later). Replaced rows
+move to ``score_history``: nothing scored is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.harness import HarnessSpec
+from pipeline.scoring.trace import TOTAL, score_trace, total_details
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.candidate import AdvanceConfig, Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreRunResult:
+    """What a ``score_experience`` run did."""
+
+    contract_version_id: int
+    scored: int = 0
+    rows: int = 0
+    already_scored: int = 0
+    unscorable: int = 0
+    unverified: int = 0
+    errors: int = 0
+    superseded: int = 0
+    by_specialist: dict[str, int] = field(default_factory=dict)
+
+
+_COLUMNS = ("id", "messages", "meta", "feedback", "routes", "specialist", "harness_version_id")
+
+
+class _Batches:
+    """Scores batches of experience rows under one contract version: harness per trace, thread pool, rows."""
+
+    def __init__(self, session: Session, contract_version_id: int, harness: HarnessSpec | None, workers: int):
+        from pipeline.contract import stored_contract
+        from pipeline.errors import NotFoundError
+        from pipeline.registry.models import ContractVersion
+
+        row = session.get(ContractVersion, contract_version_id)
+        if row is None:
+            raise NotFoundError(f"contract version id {contract_version_id} does not exist in the registry")
+        self.session, self.contract_version_id = session, contract_version_id
+        self.contract = stored_contract(row.spec)
+        self.fallback = harness
+        self.harnesses: dict[int, HarnessSpec | None] = {}
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+
+    def harness_for(self, version_id: int | None) -> HarnessSpec | None:
+        from pipeline.registry.models import HarnessVersion
+
+        if version_id is None:
+            return self.fallback
+        if version_id not in self.harnesses:
+            hv = self.session.get(HarnessVersion, version_id)
+            try:
+                self.harnesses[version_id] = HarnessSpec.model_validate(hv.spec) if hv else self.fallback
+            except ValueError as exc:
+                log.warning("harness version %s does not validate (%s); using the fallback", version_id, exc)
+                self.harnesses[version_id] = self.fallback
+        return self.harnesses[version_id]
+
+    def score(self, rows: list[Any], result: ScoreRunResult, reason: str) -> None:
+        """Score ``rows`` (experience columns ``_COLUMNS``), replace their scores under this version (the
+        old ones go to ``score_history`` with ``reason``) and commit."""
+        from pipeline.clock import CLOCK
+        from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
+
+        jobs = []
+        for r in rows:
+            meta = dict(r.meta or {})
+            if r.specialist and not meta.get("specialist"):
+                meta["specialist"] = r.specialist
+            trace = {
+                "messages": r.messages or [],
+                "metadata": meta,
+                "feedback": r.feedback,
+                "routes": r.routes,
+            }
+            jobs.append((r.id, trace, self.harness_for(r.harness_version_id)))
+        with CLOCK.measure("score"):
+            scored = list(self.pool.map(lambda job: score_trace(self.contract, job[1], harness=job[2]), jobs))
+        ids = [job[0] for job in jobs]
+        result.superseded += supersede_scores(
+            session=self.session,
+            experience_ids=ids,
+            contract_version_id=self.contract_version_id,
+            reason=reason,
+        )
+        new_rows = []
+        for exp_id, res in zip(ids, scored, strict=True):
+            final = res.turns[-1] if res.turns else None
+            for key, value in res.values.items():
+                checked = final is not None and key in final.verified_by
+                new_rows.append(
+                    ScoreRow(
+                        exp_id,
+                        self.contract_version_id,
+                        key,
+                        value,
+                        res.details[key],
+                        checked,
+                        res.specialist,
+                    )
+                )
+            new_rows.append(
+                ScoreRow(
+                    exp_id,
+                    self.contract_version_id,
+                    TOTAL,
+                    res.total,
+                    total_details(res),
+                    res.verified,
+                    res.specialist,
+                )
+            )
+            result.scored += 1
+            result.errors += res.errors
+            result.unscorable += res.total is None
+            result.unverified += not res.verified
+            result.by_specialist[res.specialist] = result.by_specialist.get(res.specialist, 0) + 1
+        result.rows += insert_scores(session=self.session, rows=new_rows)  # one executemany per batch
+        self.session.commit()
+
+
+def score_experience(
+    *,
+    session: Session,
+    contract_version_id: int,
+    batch_size: int = 500,
+    rescore: bool = False,
+    progress: Callable[[int], None] | None = None,
+    harness: HarnessSpec | None = None,
+    workers: int | None = None,
+) -> ScoreRunResult:
+    """Score every trace without a current score under ``contract_version_id``.
+
+    A trace scored before verification was recorded (its ``total`` row has no ``verified``) counts as
+    unscored. Streams the ``experience`` table by id in batches of ``batch_size`` (committing after each,
+    so an interrupted run resumes where it stopped), and writes one ``Score`` row per scorer plus a
+    ``total`` row. Scores under other contract versions are untouched. ``rescore=True`` scores every trace
+    again. Replaced rows are kept in ``score_history``. Each trace is scored with the harness version it
+    was served by (``harness`` is the fallback for traces that name none). ``progress(n)`` is called with
+    the number of traces done after each batch.
+    """
+    from sqlalchemy import exists, func, select
+
+    from pipeline.registry.models import Experience, Score
+
+    batches = _Batches(session, contract_version_id, harness, workers or min(4, os.cpu_count() or 1))
+    result = ScoreRunResult(contract_version_id=contract_version_id)
+    current = exists().where(
+        Score.experience_id == Experience.id,
+        Score.contract_version_id == contract_version_id,
+        Score.scorer == TOTAL,
+        Score.verified.is_not(None),
+    )
+    if not rescore:
+        result.already_scored = (
+            session.scalar(select(func.count()).select_from(Experience).where(current)) or 0
+        )
+    columns = [getattr(Experience, c) for c in _COLUMNS]
+    reason = "rescored on request" if rescore else "scored again: written before verification was recorded"
+    last_id = 0
+    try:
+        while True:
+            stmt = select(*columns).where(Experience.id > last_id).order_by(Experience.id).limit(batch_size)
+            if not rescore:
+                stmt = stmt.where(~current)
+            rows = session.execute(stmt).all()
+            if not rows:
+                break
+            last_id = rows[-1].id
+            batches.score(rows, result, reason)
+            if progress is not None:
+                progress(len(rows))
+    finally:
+        batches.pool.shutdown()
+    return result
+
+
+def rescore_experience(*, session: Session, experience_ids: list[int], reason: str) -> list[ScoreRunResult]:
+    """Score these traces again under every contract version that has scored them (e.g. feedback arrived
+    after scoring); the replaced rows stay in ``score_history`` with ``reason``."""
+    from sqlalchemy import select
+
+    from pipeline.registry.models import Experience, Score
+
+    versions = session.scalars(
+        select(Score.contract_version_id)
+        .where(Score.experience_id.in_(experience_ids), Score.scorer == TOTAL)
+        .distinct()
+        .order_by(Score.contract_version_id)
+    ).all()
+    rows = session.execute(
+        select(*(getattr(Experience, c) for c in _COLUMNS)).where(Experience.id.in_(experience_ids))
+    ).all()
+    out = []
+    for version_id in versions:
+        batches = _Batches(session, version_id, None, 1)
+        try:
+            result = ScoreRunResult(contract_version_id=version_id)
+            batches.score(rows, result, reason)
+            out.append(result)
+        finally:
+            batches.pool.shutdown()
+    return out
+
+
+def score_step(
+    *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Score all experience not yet scored under the candidate's contract version."""
+    from pipeline.candidate import load_generation, mark_step
+    from pipeline.registry import get_engine, session_scope
+
+    engine = get_engine()
+    with session_scope(engine) as session:
+        contract_version_id = load_generation(session, generation_id).contract_version_id
+    done = 0
+
+    def report(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("score", done, 0)
+
+    with session_scope(engine) as session:
+        result = score_experience(session=session, contract_version_id=contract_version_id, progress=report)
+    outcome = {
+        "scored": result.scored,
+        "unverified": result.unverified,
+        "errors": result.errors,
+        "by_specialist": result.by_specialist,
+    }
+    with session_scope(engine) as session:
+        mark_step(session, load_generation(session, generation_id), "score", outcome)
+    return outcome
