@@ -13,6 +13,9 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The ephemeral API server's first start creates and migrates its database; on a loaded 2-core machine that
+# took longer than Prefect's default 20 s and `make demo` died before its first step.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from prefect import flow, task  # noqa: E402
 

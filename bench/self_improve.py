@@ -6,20 +6,27 @@ train ~2 epochs over the accumulated set continuing the same LoRA, evaluate gree
 suite. Prints held-out accuracy per generation and the wall time (base build included unless cached).
 
     .venv/bin/python bench/self_improve.py --seeds 0 1 --generations 3
+
+The base and the LoRA recipe are models/tiny.yaml's (``--lr``/``--epochs`` try others); ``--threads``
+fixes torch's CPU threads, which changes the base's weights (float sums in another order): the
+recipe's comment in models/tiny.yaml compares bases built on 1 and 2 threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
 import time
 from pathlib import Path
 
+from pipeline.candidate import AdvanceConfig
 from pipeline.decoding import load_model
 from pipeline.environment import FAMILIES, collect, evaluate, heldout_suite, sample_prompts
-from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.modelspec import load_model_spec
+from pipeline.tinymodel import ensure_tiny_model
 from pipeline.training import TrainConfig, train_lora, write_dataset
 
 
@@ -57,21 +64,28 @@ def run_specialist(
     return rows
 
 
+SPEC = Path(__file__).resolve().parent.parent / "models" / "tiny.yaml"
+
+
 def main() -> None:
+    spec = load_model_spec(SPEC)
+    recipe = spec.specialists["chat"].training
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--generations", type=int, default=3)
     parser.add_argument(
-        "--prompts", type=int, default=750, help="training prompts per specialist per generation"
+        "--prompts",
+        type=int,
+        default=AdvanceConfig.prompts_per_specialist,
+        help="training prompts per specialist per generation",
     )
+    parser.add_argument("--lr", type=float, default=recipe.lr)
+    parser.add_argument("--epochs", type=float, default=recipe.epochs)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--heldout", type=int, default=300)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
-    parser.add_argument("--bootstrap-steps", type=int, default=TinyModelConfig.bootstrap_steps)
     parser.add_argument("--cache", type=Path, default=Path(".ratchet/cache"))
-    parser.add_argument(
-        "--base-seed", type=int, default=None, help="base model seed (default: each run's seed)"
-    )
+    parser.add_argument("--base-seed", type=int, default=None, help="base model seed (default: the spec's)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -82,11 +96,14 @@ def main() -> None:
     report = {}
     for seed in args.seeds:
         started = time.perf_counter()
-        base_seed = seed if args.base_seed is None else args.base_seed
-        config = TinyModelConfig(seed=base_seed, bootstrap_steps=args.bootstrap_steps)
-        base = ensure_tiny_model(config=config, cache_dir=args.cache)
+        config = spec.base.tiny.to_tiny_model_config()
+        if args.base_seed is not None:
+            config = dataclasses.replace(config, seed=args.base_seed)
+        base = ensure_tiny_model(config=config, cache_dir=args.cache / f"threads-{args.threads}")
         built = time.perf_counter() - started
-        train = TrainConfig(lr=5e-4, epochs=2.0, batch_size=64, seed=seed, checkpoint_every=1000)
+        train = TrainConfig(
+            lr=args.lr, epochs=args.epochs, batch_size=recipe.batch_size, seed=seed, checkpoint_every=1000
+        )
         with tempfile.TemporaryDirectory() as tmp:
             per_family = {
                 f: run_specialist(

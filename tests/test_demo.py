@@ -1,15 +1,16 @@
 """The demo's claim, checked on a second seed: the champion's held-out contract score rises because the
-model learned from its own scored experience (no hard-coded results: the gates decide on fresh evaluations).
+model learned from its own verified experience (no hard-coded results: the gates decide on fresh
+evaluations of held-out sums it never practised, in either order).
 
-Runs the shipped tiny model spec (two of its specialists, to keep the suite's time in bounds) with the
-shipped contract and harness, advancing with seed 1 (the demo uses seed 0).
+Runs the shipped tiny model spec, contract and harness for two generations with seed 1 (the demo runs
+three with seed 0). The suite runs torch on one thread (OMP_NUM_THREADS=1), and float32 sums come out in
+another order than on two, so the base built here differs from the demo's: a second, weaker starting point
+(0.134 overall vs 0.182 on 2026-12-01), not a copy of the demo. About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import yaml
 
 from pipeline.advance import advance_once
 from pipeline.candidate import AdvanceConfig
@@ -19,25 +20,23 @@ from pipeline.lineage import init_lineage
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_second_seed_also_improves(tmp_path):
-    spec = yaml.safe_load((ROOT / "models" / "tiny.yaml").read_text())
-    spec["specialists"] = {name: spec["specialists"][name] for name in ("chat", "agent")}
-    model = tmp_path / "tiny-two.yaml"
-    model.write_text(yaml.safe_dump(spec))
+def test_second_seed_also_improves():
     init_lineage(
         contract_path=ROOT / "contracts" / "demo.yaml",
         harness_path=ROOT / "harnesses" / "demo.yaml",
-        model_path=model,
+        model_path=ROOT / "models" / "tiny.yaml",
     )
     ensure_base_model("main")
     config = AdvanceConfig(seed=1)
-    outcomes = [advance_once(config=config) for _ in range(3)]
+    outcomes = [advance_once(config=config) for _ in range(2)]
     rows = lineage_rows("main")
     base, champion = rows[0]["overall"], next(r for r in rows if r["status"] == "promoted")
     promoted = [o for o in outcomes if o["status"] == "promoted"]
     assert promoted, [o["decision"] for o in outcomes]
     assert champion["generation"] > 0 and champion["overall"] > base + 0.03, (base, champion)
-    # every promotion was significant: the lower end of its interval is above zero
+    # every promotion was significant at its attempt's share of the lineage's error rate
     for row in rows[1:]:
         if row["status"] in ("promoted", "retired"):
-            assert "CI +" in row["decision"], row["decision"]
+            assert "lower bound +" in row["decision"], row["decision"]
+    # the demo's experience all carries what to check it against: nothing was dropped as unverified
+    assert all("unverified" not in d for r in rows[1:] for d in r["curation"]["dropped"].values())
