@@ -79,7 +79,7 @@ def generate(
     """Decode ``config.num_samples`` completions for each prompt text; returns one list per prompt.
 
     Prompts are already rendered (e.g. ``packing.render_prompt``) and tokenized without extra special
-    tokens. Completions stop at the tokenizer's eos token, at the first stop string (excluded from the
+    tokens. Completions stop at an end token (``end_token_ids``), at the first stop string (excluded from the
     text) or after ``max_new_tokens``. ``progress(done_sequences, total_sequences)`` after each batch.
     """
     import torch
@@ -91,12 +91,11 @@ def generate(
     jobs.sort(key=lambda j: len(encoded[j[0]]))  # similar lengths share a batch: little left padding
     out: list[list[str]] = [[""] * config.num_samples for _ in prompts]
     gen = torch.Generator().manual_seed(config.seed)
-    pieces = _token_pieces(tokenizer)
     total = len(jobs)
     with torch.inference_mode():
         for start in range(0, total, config.batch_size):
             chunk = jobs[start : start + config.batch_size]
-            texts = _decode_batch(model, tokenizer, [encoded[p] for p, _ in chunk], config, gen, pieces)
+            texts = _decode_batch(model, tokenizer, [encoded[p] for p, _ in chunk], config, gen)
             for (p, s), text in zip(chunk, texts, strict=True):
                 out[p][s] = text
             if progress is not None:
@@ -104,17 +103,22 @@ def generate(
     return out
 
 
-def _token_pieces(tokenizer: Any) -> list[str]:
-    """The text each token id contributes (for incremental stop-string checks)."""
-    vocab = len(tokenizer)
-    special = set(tokenizer.all_special_ids)
-    return ["" if i in special else tokenizer.decode([i]) for i in range(vocab)]
+def end_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a reply: the tokenizer's EOS and each EOS of the model's ``generation_config``
+    (chat models list several, e.g. ``<|im_end|>`` beside ``<|endoftext|>``)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids |= {configured} if isinstance(configured, int) else set(configured)
+    return ids
 
 
 def _decode_batch(
-    model: Any, tokenizer: Any, prompts: list[list[int]], config: SamplingConfig, gen: Any, pieces: list[str]
+    model: Any, tokenizer: Any, prompts: list[list[int]], config: SamplingConfig, gen: Any
 ) -> list[str]:
     import torch
+
+    from pipeline.detokenization import TextStream
 
     batch, width = len(prompts), max(len(p) for p in prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -124,8 +128,8 @@ def _decode_batch(
         input_ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    eos = tokenizer.eos_token_id
-    texts = [""] * batch
+    eos = torch.tensor(sorted(end_token_ids(model, tokenizer)), dtype=torch.long)
+    streams = [TextStream(tokenizer) for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool)
     past = None
     cache_kw = _cache_keyword(model)
@@ -137,11 +141,11 @@ def _decode_batch(
         past = getattr(result, cache_kw)
         next_ids = _pick(result.logits[:, -1, :].float(), config, gen)
         next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
-        newly_done = next_ids == eos
+        newly_done = torch.isin(next_ids, eos)
         ids_list = next_ids.tolist()
         for i in (~done & ~newly_done).nonzero().flatten().tolist():
-            texts[i] += pieces[ids_list[i]]
-            if config.stop and any(s in texts[i] for s in config.stop):
+            streams[i].push(ids_list[i])
+            if config.stop and any(s in streams[i].text for s in config.stop):
                 newly_done[i] = True
         done |= newly_done
         if bool(done.all()):
@@ -149,7 +153,7 @@ def _decode_batch(
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
         step_pos = step_pos[:, -1:] + 1
         step_ids = next_ids[:, None]
-    return [_cut(t, config.stop) for t in texts]
+    return [_cut(s.final(), config.stop) for s in streams]
 
 
 def _cache_keyword(model: Any) -> str:

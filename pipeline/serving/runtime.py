@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.decoding import end_token_ids
+from pipeline.detokenization import TextStream
 from pipeline.errors import RatchetError
 from pipeline.spec import file_sha256
 
@@ -230,9 +232,8 @@ class MixtureRuntime:
         cfg = getattr(model, "config", None)
         self.context_limit = int(getattr(cfg, "max_position_embeddings", 0) or tokenizer.model_max_length)
         special = set(tokenizer.all_special_ids)
-        self.end_ids = special - ({tokenizer.unk_token_id} - {None})
+        self.end_ids = (special - ({tokenizer.unk_token_id} - {None})) | end_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pieces = ["" if i in special else tokenizer.decode([i]) for i in range(len(tokenizer))]
         self.mix = "segments" if mix == "segments" and mixlora.supported(model) else "peft"
         self.segmented = mixlora.install(model, sorted(adapters)) if self.mix == "segments" else None
 
@@ -360,6 +361,7 @@ def _decode(
     gens = [
         torch.Generator().manual_seed(r.seed if r.seed is not None else torch.seed() % 2**63) for r in reqs
     ]
+    streams = [TextStream(rt.tokenizer) for _ in range(n)]
     texts, sent, counts = [""] * n, [0] * n, [0] * n
     finish = ["length"] * n
     active = list(range(n))  # original row index of each batch row
@@ -382,15 +384,18 @@ def _decode(
             tok, r = chosen[b], reqs[i]
             done = False
             if tok in rt.end_ids:
-                finish[i], done = "stop", True
+                texts[i], finish[i], done = streams[i].final(), "stop", True
             else:
                 counts[i] += 1
-                texts[i] += rt.pieces[tok]
+                texts[i] = streams[i].text if streams[i].push(tok) else texts[i]
                 hit = min((texts[i].find(s) for s in r.stop if s in texts[i]), default=-1)
                 if hit >= 0:
                     texts[i], finish[i], done = texts[i][:hit], "stop", True
                 elif counts[i] >= r.max_new_tokens or len(r.prompt_ids) + counts[i] >= rt.context_limit:
-                    done = True
+                    texts[i], done = (
+                        streams[i].final(),
+                        True,
+                    )  # a last, incomplete character as decode shows it
             upto = len(texts[i]) if done else len(texts[i]) - _holdback(texts[i], r.stop)
             if on_text is not None and upto > sent[i]:
                 on_text(i, texts[i][sent[i] : upto])
