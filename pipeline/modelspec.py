@@ -107,6 +107,12 @@ class TrainDefaults(StrictModel):
     epochs: float = Field(default=2.0, gt=0, description="Passes over the curated (accumulated) dataset.")
     batch_size: int = Field(default=64, ge=1, description="Examples per step.")
     max_steps: int | None = Field(default=None, ge=1, description="Step cap (overrides epochs); null: none.")
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=8,
+        description="Training sequence length in tokens (longer examples are cut); null: the base's "
+        "context length (max_position_embeddings), at most 2048.",
+    )
 
 
 class SpecialistModel(StrictModel):

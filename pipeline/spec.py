@@ -176,3 +176,26 @@ def file_sha256(path: str | Path, *, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """sha256 of a saved model's weights: the file's for one ``model.safetensors``; for a sharded checkpoint
+    (``model.safetensors.index.json``), of the index and each shard's sha256 in name order."""
+    model_dir = Path(model_dir)
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return file_sha256(single)
+    if not index.is_file():
+        raise SpecError(
+            [
+                f"{model_dir}: no model.safetensors or model.safetensors.index.json (weights must be safetensors)"
+            ]
+        )
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    missing = [name for name in shards if not (model_dir / name).is_file()]
+    if missing:
+        raise RatchetError(f"{model_dir}: shard(s) named by the index are missing: {', '.join(missing)}")
+    digest = hashlib.sha256(f"index {file_sha256(index)}\n".encode())
+    for name in shards:
+        digest.update(f"{name} {file_sha256(model_dir / name)}\n".encode())
+    return digest.hexdigest()

@@ -216,10 +216,3 @@ def ensure_tiny_model(
         corpus = corpus_texts() if callable(corpus_texts) else corpus_texts
     target.parent.mkdir(parents=True, exist_ok=True)
     return build_tiny_model(config=config, corpus_texts=corpus, output_dir=target, progress=progress)
-
-
-def model_hash(model_dir: Path) -> str:
-    """The sha256 of a saved base model's weights (``model.safetensors``), for lineage records."""
-    from pipeline.spec import file_sha256
-
-    return file_sha256(Path(model_dir) / "model.safetensors")

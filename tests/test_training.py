@@ -280,3 +280,55 @@ def test_expert_iteration_improves_heldout_accuracy(tmp_path, seed):
 
 def test_families_cover_the_demo_specialists():
     assert set(FAMILIES) == {"chat", "agent", "coding", "genui"}
+
+
+def test_real_architecture_sharded_without_pad_token_trains_full_length_examples(tmp_path):
+    """A Qwen3 with a byte-level BPE tokenizer, no pad token and sharded weights (tests/realmodel.py):
+    examples longer than 128 tokens are kept whole (the model's context length decides), padding falls back
+    to EOS, and the adapter is saved with the sharded base's weights hash and loads with peft."""
+    from peft import PeftModel
+    from realmodel import build_real_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.spec import file_sha256, weights_sha256
+    from pipeline.training.job import sequence_limit
+
+    base = build_real_model(tmp_path / "qwen")
+    shards = sorted(base.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (base / "model.safetensors").exists()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert tokenizer.pad_token_id is None
+    reply = " ".join(["Résumé 😀 naïve café déjà vu"] * 12)
+    rows = [
+        {"messages": [{"role": "user", "content": f"say it {i}"}, {"role": "assistant", "content": reply}]}
+        for i in range(8)
+    ]
+    write_dataset(rows, tmp_path / "ds")
+    ids, labels = encode_chat(tokenizer, rows[0]["messages"], sequence_limit(base))
+    assert sequence_limit(base) == 512 and 128 < len(ids) < 512
+    assert tokenizer.decode([i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE]).startswith(
+        reply
+    )
+    result = train_lora(base_model_dir=base, dataset_dir=tmp_path / "ds", output_dir=tmp_path / "job",
+                        config=FAST)  # fmt: skip
+    assert result.completed and result.steps == 6
+    lineage = json.loads((result.adapter_dir / "lineage.json").read_text())
+    assert lineage["base_model_sha256"] == weights_sha256(base)
+    assert lineage["base_model_sha256"] not in {file_sha256(s) for s in shards}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result.adapter_dir)
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+
+
+def test_weights_hash_names_a_missing_shard(tmp_path):
+    from pipeline.spec import weights_sha256
+
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        )
+    )
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    with pytest.raises(RatchetError, match="model-00002-of-00002.safetensors"):
+        weights_sha256(tmp_path)
+    with pytest.raises(RatchetError, match="no model.safetensors"):
+        weights_sha256(tmp_path / "nowhere")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RatchetError
-from pipeline.spec import content_hash, file_sha256
+from pipeline.spec import content_hash, file_sha256, weights_sha256
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ class TrainConfig:
     batch_size: int = 64  # examples per optimizer step
     seed: int = 0
     checkpoint_every: int = 50
-    max_seq_len: int = 128  # examples are truncated to this; also the packed row length
+    # examples are truncated to this; also the packed row length. None: the model's own context length,
+    # at most MAX_SEQ_LEN_DEFAULT (memory grows with it)
+    max_seq_len: int | None = None
     warmup_steps: int = 10
     weight_decay: float = 0.0
 
@@ -126,6 +128,16 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return perm[k * batch_size : (k + 1) * batch_size]
 
 
+MAX_SEQ_LEN_DEFAULT = 2048
+
+
+def sequence_limit(base_model_dir: Path) -> int:
+    """The default training sequence length: the model's ``max_position_embeddings``, capped at 2048."""
+    config = json.loads((Path(base_model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)  # multimodal configs nest the language model's
+    return min(int(text.get("max_position_embeddings") or MAX_SEQ_LEN_DEFAULT), MAX_SEQ_LEN_DEFAULT)
+
+
 def train_lora(
     *,
     base_model_dir: Path,
@@ -171,7 +183,10 @@ def train_lora(
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
-    examples = [encode_chat(tokenizer, r["messages"], config.max_seq_len) for r in rows]
+    # Llama-3-style tokenizers have no pad token: pad with EOS (padding is masked out of attention and loss).
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    max_len = config.max_seq_len or sequence_limit(base_model_dir)
+    examples = [encode_chat(tokenizer, r["messages"], max_len) for r in rows]
     examples = [e for e in examples if any(label != -100 for label in e[1])]
     if not examples:
         raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
@@ -222,7 +237,7 @@ def train_lora(
         tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
         while step < total:
             batch = [examples[i] for i in batch_indices(len(examples), config.batch_size, step, config.seed)]
-            tensors = packed_tensors(batch, config.max_seq_len, tokenizer.pad_token_id)
+            tensors = packed_tensors(batch, max_len, pad_id)
             loss = assistant_loss(model, tensors)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -254,7 +269,7 @@ def train_lora(
         record = {
             **(lineage or {}),
             "dataset_sha256": data_hash,
-            "base_model_sha256": file_sha256(base_model_dir / "model.safetensors"),
+            "base_model_sha256": weights_sha256(base_model_dir),
             "code_version": (lineage or {}).get("code_version") or git_describe(),
             "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
             "adapter_sha256": adapter_sha,

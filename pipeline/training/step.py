@@ -80,6 +80,7 @@ def train_step(
             epochs=defaults.epochs,
             max_steps=defaults.max_steps,
             batch_size=defaults.batch_size,
+            max_seq_len=defaults.max_seq_len,
             seed=step_seed(config, number, specialist),
         )
         result = train_lora(
