@@ -34,6 +34,8 @@ class AdvanceConfig:
     # held-out items): 1,500 gave +0.01..+0.03 per generation, inside the gate's noise; 3,000 gave
     # +0.037, +0.039, +0.054, each significant (as in the notes: more verified attempts per generation).
     prompts_per_specialist: int = 3000
+    # False: no practice at all; the generation learns only from what was served and ingested.
+    collect: bool = True
     samples_per_prompt: int = 4  # k attempts per prompt, all recorded as experience
     temperature: float = 0.7  # sampling temperature of collection (evaluation is greedy)
     min_examples: int = 16  # a specialist with fewer curated examples keeps its parent's adapter

@@ -3,7 +3,9 @@
 ``collect_step`` samples ``prompts_per_specialist`` training-split prompts per specialist, answers each
 ``samples_per_prompt`` times with the parent pair (the champion) at the collection temperature, and
 stores every attempt as experience (source ``simulation``), right or wrong: scoring decides later what
-the contract verified, and curation what may be learned from.
+the contract verified, and curation what may be learned from. With ``AdvanceConfig.collect`` off
+(``ratchet advance --no-collect``) it records nothing and the generation learns from served and ingested
+experience only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ def collect_step(
     from pipeline.registry import get_engine, insert_traces, session_scope
 
     engine = get_engine()
+    if not config.collect:
+        with session_scope(engine) as session:
+            outcome = {
+                "attempts": 0,
+                "stored": 0,
+                "prompts": 0,
+                "skipped": "collection is off (--no-collect)",
+            }
+            mark_step(session, load_generation(session, generation_id), "collect", outcome)
+        return outcome
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         parent = load_generation(session, gen.parent_id)

@@ -219,3 +219,18 @@ def test_promote_and_rollback_commands(lineage, capsys):
     main(["lineage", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert {"generation", "parent", "status", "scores", "overall", "decision"} <= set(rows[0])
+
+
+def test_no_collect_learns_from_ingested_experience_only(lineage):
+    from dataclasses import replace
+
+    outcome = advance_once(config=replace(FAST, collect=False))
+    steps = done_steps(_generation_id(1))
+    assert steps["collect"]["attempts"] == 0 and "off" in steps["collect"]["skipped"]
+    assert _count(Experience, Experience.source == "simulation") == 0
+    with session_scope(get_engine()) as s:
+        datasets = s.scalars(select(TrainingDataset)).all()
+    assert datasets and outcome["status"] in ("promoted", "rejected")  # the ingested corrections were learned
+    assert (
+        sum(d["rows"] for d in steps["curate"]["datasets"].values()) == sum(d.num_rows for d in datasets) > 0
+    )

@@ -148,6 +148,12 @@ def advance_cmd(
     lineage: LineageOpt = "main",
     prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
     samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
+    collect: Annotated[
+        bool,
+        typer.Option(
+            help="Practise on the task source; --no-collect learns from served and ingested experience only."
+        ),
+    ] = AdvanceConfig.collect,
     codesign: Annotated[
         bool, typer.Option(help="Try harness variants with the new adapters.")
     ] = AdvanceConfig.codesign,
@@ -160,6 +166,7 @@ def advance_cmd(
         lineage=lineage,
         prompts_per_specialist=prompts,
         samples_per_prompt=samples,
+        collect=collect,
         codesign=codesign,
         seed=seed,
     )
