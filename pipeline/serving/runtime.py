@@ -387,15 +387,14 @@ def _decode(
                 texts[i], finish[i], done = streams[i].final(), "stop", True
             else:
                 counts[i] += 1
-                texts[i] = streams[i].text if streams[i].push(tok) else texts[i]
+                streams[i].push(tok)
+                texts[i] = streams[i].text
                 hit = min((texts[i].find(s) for s in r.stop if s in texts[i]), default=-1)
                 if hit >= 0:
                     texts[i], finish[i], done = texts[i][:hit], "stop", True
                 elif counts[i] >= r.max_new_tokens or len(r.prompt_ids) + counts[i] >= rt.context_limit:
-                    texts[i], done = (
-                        streams[i].final(),
-                        True,
-                    )  # a last, incomplete character as decode shows it
+                    # at the limit: a last, incomplete character as decode shows it
+                    texts[i], done = streams[i].final(), True
             upto = len(texts[i]) if done else len(texts[i]) - _holdback(texts[i], r.stop)
             if on_text is not None and upto > sent[i]:
                 on_text(i, texts[i][sent[i] : upto])
