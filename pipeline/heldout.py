@@ -33,10 +33,20 @@ MIN_CONTAINED = 3  # a held-out prompt of fewer words only matches a message tha
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
+def _stored_text(sha256: str) -> str:
+    """A suite file as registration stored it (content-addressed in the registry)."""
+    from pipeline.registry import get_engine, load_stored_file, session_scope
+
+    with session_scope(get_engine()) as session:
+        return load_stored_file(session=session, sha256=sha256).decode("utf-8")
+
+
 def resolve_suites(
     contract: ContractSpec, *, contract_path: Path | None = None
 ) -> dict[str, list[dict[str, Any]]]:
-    """Items of every held-out suite of the contract, per specialist (file suites are sha256-checked)."""
+    """Items of every held-out suite of the contract, per specialist. File suites come from the given
+    contract file's directory (sha256-checked), or without one from the registry, which stored them at
+    registration."""
     from pipeline.contract import verify_suites
 
     suites: dict[str, list[dict[str, Any]]] = {}
@@ -52,12 +62,8 @@ def resolve_suites(
 
             items = heldout_suite(suite.specialist, suite.size, suite.seed)
         else:
-            if contract_path is None:
-                raise RatchetError(f"held-out suite {suite.path} needs the contract's file location")
-            path = next(paths)
-            items = [
-                json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-            ]
+            text = next(paths).read_text(encoding="utf-8") if contract_path else _stored_text(suite.sha256)
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
         for item in items:  # whatever the source, these are held-out items
             item.setdefault("metadata", {})["split"] = "heldout"
         suites.setdefault(suite.specialist, []).extend(items)
@@ -163,11 +169,11 @@ class HeldoutIndex:
         return None if found is None else f"contains held-out prompt {found}"
 
 
-def heldout_prompts(contract: ContractSpec) -> list[tuple[str, str]]:
+def heldout_prompts(contract: ContractSpec, *, contract_path: Path | None = None) -> list[tuple[str, str]]:
     """``(label, text)`` of every held-out prompt of the contract: each user turn of each suite item and
-    each prompt of the routing suite."""
+    each prompt of the routing suite (file suites as ``resolve_suites`` finds them)."""
     out = []
-    for specialist, items in resolve_suites(contract).items():
+    for specialist, items in resolve_suites(contract, contract_path=contract_path).items():
         for i, item in enumerate(items):
             for m in item.get("messages") or []:
                 if isinstance(m, dict) and m.get("role") in ("user", "system", "developer"):
@@ -181,14 +187,19 @@ def heldout_prompts(contract: ContractSpec) -> list[tuple[str, str]]:
 _INDEXES: dict[str, HeldoutIndex] = {}
 
 
-def heldout_index(contract: ContractSpec) -> HeldoutIndex:
-    """The contract's exclusion predicate (built once per contract content in this process)."""
+def heldout_index(contract: ContractSpec, *, contract_path: Path | None = None) -> HeldoutIndex:
+    """The contract's exclusion predicate (built once per contract content in this process; before
+    registration, ``contract_path`` locates its file suites)."""
     from pipeline.contract import contract_hash
 
     key = contract_hash(contract)
     if key not in _INDEXES:
         policy = contract.decontamination
-        index = HeldoutIndex.build(heldout_prompts(contract), ngram=policy.ngram, threshold=policy.threshold)
+        index = HeldoutIndex.build(
+            heldout_prompts(contract, contract_path=contract_path),
+            ngram=policy.ngram,
+            threshold=policy.threshold,
+        )
         index.key = key
         if len(_INDEXES) >= 8:
             _INDEXES.pop(next(iter(_INDEXES)))

@@ -35,13 +35,15 @@ class InitResult:
         )
 
 
-def require_clean_exemplars(harness: HarnessSpec, contract: ContractSpec, *, where: str) -> None:
+def require_clean_exemplars(
+    harness: HarnessSpec, contract: ContractSpec, *, where: str, contract_path: Path | None = None
+) -> None:
     """Refuse a harness whose few-shot exemplars contain a held-out prompt: the model would be prompted
     with it on every turn (and see its answer)."""
     from pipeline.heldout import heldout_index
     from pipeline.prompting import exemplar_messages
 
-    index = heldout_index(contract)
+    index = heldout_index(contract, contract_path=contract_path)
     for name in harness.specialists:
         for i, messages in enumerate(exemplar_messages(harness, name)):
             found = index.exclusion(messages=messages)
@@ -71,7 +73,7 @@ def init_lineage(
     refused (start another lineage with ``--lineage``).
     """
     from pipeline.compatibility import require_compatible
-    from pipeline.contract import load_contract
+    from pipeline.contract import load_contract, verify_suites
     from pipeline.harness import load_harness
     from pipeline.modelspec import load_model_spec, model_spec_hash
     from pipeline.registry import (
@@ -83,6 +85,7 @@ def init_lineage(
         register_contract,
         register_harness,
         session_scope,
+        store_file,
     )
     from pipeline.settings import get_settings
 
@@ -90,7 +93,8 @@ def init_lineage(
     harness = load_harness(harness_path)
     model = load_model_spec(model_path)
     require_compatible(harness, contract)
-    require_clean_exemplars(harness, contract, where=str(harness_path))
+    require_clean_exemplars(harness, contract, where=str(harness_path), contract_path=contract_path)
+    suite_files = verify_suites(contract, contract_path)  # a missing or changed file stops here, named
     specialists = sorted(model.specialists)
     for what, names in (("harness", harness.specialists), ("contract", contract.specialists)):
         missing = [s for s in specialists if s not in names]
@@ -134,6 +138,8 @@ def init_lineage(
             spec=contract.model_dump(mode="json"),
             actor=actor,
         )
+        for path in suite_files:  # kept whole: nothing later needs the original file
+            store_file(session=session, content=path.read_bytes())
         existing = list_generations(session=session, lineage=lineage)
         if existing:
             first = existing[0]

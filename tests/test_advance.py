@@ -234,3 +234,34 @@ def test_no_collect_learns_from_ingested_experience_only(lineage):
     assert (
         sum(d["rows"] for d in steps["curate"]["datasets"].values()) == sum(d.num_rows for d in datasets) > 0
     )
+
+
+def test_a_file_suite_is_stored_at_registration_and_needs_no_file_afterwards(specs, tmp_path):
+    """A held-out suite given as {path, sha256}: registration keeps its bytes in the registry; advance
+    curates and evaluates on it after the file is gone."""
+    from pipeline.environment import heldout_suite
+    from pipeline.lineage import init_lineage
+    from pipeline.registry import StoredFile
+    from pipeline.spec import file_sha256
+
+    suite = tmp_path / "suites" / "chat.jsonl"
+    suite.parent.mkdir()
+    items = heldout_suite("chat", 15, seed=7)
+    suite.write_text("".join(json.dumps(item) + "\n" for item in items))
+    contract = yaml.safe_load(specs["contract"].read_text())
+    contract["heldout"] = [s for s in contract["heldout"] if s["specialist"] != "chat"]
+    contract["heldout"].append(
+        {"specialist": "chat", "path": "suites/chat.jsonl", "sha256": file_sha256(suite)}
+    )
+    path = tmp_path / "file-suite.yaml"
+    path.write_text(yaml.safe_dump(contract))
+    init_lineage(
+        contract_path=path, harness_path=Path("harnesses/demo.yaml").resolve(), model_path=specs["model"]
+    )
+    assert _count(StoredFile, StoredFile.sha256 == file_sha256(suite)) == 1
+    suite.unlink()
+    outcome = advance_once(config=FAST)
+    with session_scope(get_engine()) as s:
+        ev = s.scalar(select(Generation).where(Generation.number == 1)).evaluation
+    assert outcome["status"] in ("promoted", "rejected")
+    assert len(ev["items"]["chat"]["candidate"]) == 15 and len(ev["items"]["agent"]["candidate"]) == 20

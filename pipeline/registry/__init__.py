@@ -37,6 +37,7 @@ from pipeline.registry.models import (
     Quarantine,
     Score,
     ScoreHistory,
+    StoredFile,
     TrainingDataset,
 )
 from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
@@ -44,9 +45,11 @@ from pipeline.registry.versions import (
     audit,
     get_contract_version,
     get_harness_version,
+    load_stored_file,
     register_base_model,
     register_contract,
     register_harness,
+    store_file,
 )
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "Quarantine",
     "Score",
     "ScoreHistory",
+    "StoredFile",
     "TraceRow",
     "TrainingDataset",
     "attach_feedback",
@@ -83,6 +87,7 @@ __all__ = [
     "insert_scores",
     "insert_traces",
     "list_generations",
+    "load_stored_file",
     "make_engine",
     "next_adapter_version",
     "promote_generation",
@@ -95,5 +100,6 @@ __all__ = [
     "supersede_scores",
     "set_generation_adapter",
     "set_generation_status",
+    "store_file",
     "upgrade_db",
 ]

@@ -21,6 +21,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -309,6 +310,17 @@ class Quarantine(Base):
     line_number: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(Text)
     raw: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StoredFile(Base):
+    """A file a spec names by sha256 (a held-out suite, a task file), kept whole in the registry at
+    registration, so nothing later needs the original file; content-addressed, stored once."""
+
+    __tablename__ = "stored_files"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

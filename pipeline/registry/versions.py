@@ -1,4 +1,4 @@
-"""Content-addressed versions: base models, harnesses and contracts, plus the audit log."""
+"""Content-addressed versions: base models, harnesses and contracts, the files they name, and the audit log."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline.errors import ConflictError, NotFoundError
-from pipeline.registry.models import AuditLog, BaseModelRow, ContractVersion, HarnessVersion
+from pipeline.registry.models import AuditLog, BaseModelRow, ContractVersion, HarnessVersion, StoredFile
 from pipeline.spec import content_hash
 
 
@@ -152,3 +152,25 @@ def get_harness_version(*, session: Session, id: int) -> HarnessVersion:
     if row is None:
         raise NotFoundError(f"no harness version with id {id} in the registry")
     return row
+
+
+def store_file(*, session: Session, content: bytes) -> str:
+    """Keep a file's bytes under their sha256 (stored once; the same bytes again are a no-op)."""
+    import hashlib
+
+    digest = hashlib.sha256(content).hexdigest()
+    if session.get(StoredFile, digest) is None:
+        session.add(StoredFile(sha256=digest, size=len(content), content=content))
+        session.flush()
+    return digest
+
+
+def load_stored_file(*, session: Session, sha256: str) -> bytes:
+    """The bytes stored under ``sha256``; a file registered before files were kept is a clear error."""
+    row = session.get(StoredFile, sha256)
+    if row is None:
+        raise NotFoundError(
+            f"no file with sha256 {sha256[:12]} in the registry: register the contract again with "
+            "`ratchet init` (which stores the files it names) or give its file location"
+        )
+    return row.content

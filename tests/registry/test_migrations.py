@@ -20,6 +20,7 @@ TABLES = {
     "experience",
     "scores",
     "score_history",
+    "stored_files",
     "quarantine",
     "datasets",
     "audit_log",
@@ -108,7 +109,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0003" in capsys.readouterr().out
+    assert "revision 0004" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
