@@ -255,13 +255,34 @@ def test_a_file_suite_is_stored_at_registration_and_needs_no_file_afterwards(spe
     )
     path = tmp_path / "file-suite.yaml"
     path.write_text(yaml.safe_dump(contract))
-    init_lineage(
-        contract_path=path, harness_path=Path("harnesses/demo.yaml").resolve(), model_path=specs["model"]
-    )
+    root = Path(__file__).resolve().parent.parent
+    init_lineage(contract_path=path, harness_path=root / "harnesses" / "demo.yaml", model_path=specs["model"])
     assert _count(StoredFile, StoredFile.sha256 == file_sha256(suite)) == 1
     suite.unlink()
+    # the attack: the file's held-out items arrive as deployment traces with the right, verifiable answer
+    from pipeline.environment import reference_answer
+    from pipeline.experience import ingest_file
+
+    leaked = tmp_path / "leak.jsonl"
+    with open(leaked, "w") as fh:
+        for item in items:
+            answer = {"role": "assistant", "content": reference_answer(item)}
+            metadata = {**item["metadata"], "split": "train"}
+            fh.write(
+                json.dumps({**item, "messages": [*item["messages"], answer], "metadata": metadata}) + "\n"
+            )
+    ingested = ingest_file(leaked, session_factory=lambda: session_scope(get_engine()), source="deployment")
+    assert ingested.stored == 15
     outcome = advance_once(config=FAST)
     with session_scope(get_engine()) as s:
         ev = s.scalar(select(Generation).where(Generation.number == 1)).evaluation
+        dataset_paths = [d.path for d in s.scalars(select(TrainingDataset))]
     assert outcome["status"] in ("promoted", "rejected")
     assert len(ev["items"]["chat"]["candidate"]) == 15 and len(ev["items"]["agent"]["candidate"]) == 20
+    # ... and not one of them was learned: the exclusion predicate read the suite from the registry too
+    from datasets import load_from_disk
+
+    prompts = {item["messages"][0]["content"] for item in items}
+    rows = [r for path in dataset_paths for r in load_from_disk(path).to_list()]
+    assert not [m for r in rows for m in r["messages"] if m["content"] in prompts]
+    assert done_steps(_generation_id(1))["curate"]["dropped"]["chat"].get("held-out", 0) >= 15
