@@ -1,6 +1,8 @@
-"""Collection: the champion pair practises on the task environment's training stream; every attempt is kept.
+"""Collection: the champion pair practises on its task sources' training items; every attempt is kept.
 
-``collect_step`` samples ``prompts_per_specialist`` training-split prompts per specialist, answers each
+``collect_step`` draws ``prompts_per_specialist`` training items per specialist from the task source its
+contract entry names (``pipeline.tasksource``; a specialist without one is skipped: it learns from
+deployment and ingested experience only), leaves out any item the held-out predicate matches, answers each
 ``samples_per_prompt`` times with the parent pair (the champion) at the collection temperature, and
 stores every attempt as experience (source ``simulation``), right or wrong: scoring decides later what
 the contract verified, and curation what may be learned from. With ``AdvanceConfig.collect`` off
@@ -19,10 +21,13 @@ def collect_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Run the champion (the parent pair) in the task environment; record every attempt as experience."""
-    from pipeline.environment import sample_prompts
+    from pipeline.candidate import contract_of
+    from pipeline.contract import file_reader
     from pipeline.experience import trace_row, validate_trace
+    from pipeline.heldout import heldout_index
     from pipeline.pair import answer_items, pair_for_generation
     from pipeline.registry import get_engine, insert_traces, session_scope
+    from pipeline.tasksource import draw, task_sources
 
     engine = get_engine()
     if not config.collect:
@@ -40,10 +45,16 @@ def collect_step(
         parent = load_generation(session, gen.parent_id)
         pair = pair_for_generation(parent)
         number, parent_id, harness_id = gen.number, parent.id, parent.harness_version_id
-    items = {
-        s: sample_prompts(s, config.prompts_per_specialist, step_seed(config, number, f"collect:{s}"))
-        for s in pair.adapters
-    }
+        contract = contract_of(gen)
+    sources = task_sources(contract, read=file_reader(contract))
+    index = heldout_index(contract)
+    items, left_out = {}, {}
+    for s in sorted(pair.adapters):
+        if s in sources:
+            seed = step_seed(config, number, f"collect:{s}")
+            items[s], left_out[s] = draw(
+                sources[s], "train", config.prompts_per_specialist, seed, heldout=index
+            )
     answered = answer_items(
         pair,
         items,
@@ -53,10 +64,11 @@ def collect_step(
         progress=(lambda d, t: progress("collect", d, t)) if progress else None,
     )
     rows = []
-    for traces in answered.values():
+    for specialist, traces in answered.items():
         for attempts in traces:
             for trace in attempts:
                 trace["metadata"]["collected_for"] = number
+                trace["metadata"]["specialist"] = specialist
                 rows.append(
                     trace_row(
                         validate_trace(trace),
@@ -69,6 +81,13 @@ def collect_step(
     with session_scope(engine) as session:
         for start in range(0, len(rows), 2000):
             stored += insert_traces(session=session, rows=rows[start : start + 2000])
-        outcome = {"attempts": len(rows), "stored": stored, "prompts": sum(len(v) for v in items.values())}
+        outcome = {
+            "attempts": len(rows),
+            "stored": stored,
+            "prompts": sum(len(v) for v in items.values()),
+            "specialists": sorted(items),
+            "without_tasks": sorted(set(pair.adapters) - set(items)),
+            "held_out_left_out": left_out,
+        }
         mark_step(session, load_generation(session, generation_id), "collect", outcome)
     return outcome

@@ -6,11 +6,13 @@ may replace its parent (promotion gates) and which held-out suites measure that.
 a contract; a new version is a new file (and a new registry row).
 
 ``load_contract(path)`` validates a YAML file (every error at once, ``file:line: field: message``);
-``verify_suites(contract, contract_path)`` checks the held-out files exist with the declared sha256.
+``verify_files(contract, contract_path)`` checks the files it names (held-out suites, task files) exist with
+the declared sha256; ``file_reader`` reads them from there or, once registered, from the registry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -93,10 +95,55 @@ class ContextProtocol(StrictModel):
     context_budget: ContextBudget = Field(description="Context size limits.")
 
 
+class TaskSourceSpec(StrictModel):
+    """Where a specialist's practice prompts come from (``pipeline.tasksource``): a JSONL file of task items
+    with its sha256, or a registered generator."""
+
+    path: str | None = Field(
+        default=None,
+        description="JSONL file of task items (a conversation without its final assistant turn, plus the "
+        "metadata the scorers read); relative to the contract file.",
+    )
+    sha256: Annotated[str | None, BeforeValidator(_quoted_hash)] = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", description="sha256 (64 lowercase hex digits) of the file."
+    )
+    generator: Name | None = Field(
+        default=None,
+        description="A registered task source: `demo` (built in) or one of the entry-point group `ratchet.tasks`.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options passed to the generator (e.g. `family` for `demo`).",
+    )
+    validation_share: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=1.0,
+        description="Share of a task file's items (chosen by a hash of each prompt) kept for co-design's "
+        "validation and never practised on. Generators have their own validation split.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSourceSpec:
+        by_file = self.path is not None or self.sha256 is not None
+        if by_file == (self.generator is not None):
+            raise ValueError("give either `path` + `sha256` or `generator`")
+        if by_file and (self.path is None or self.sha256 is None):
+            raise ValueError("a task file needs both `path` and `sha256`")
+        if by_file and self.options:
+            raise ValueError("`options` are for a generator; a task file takes none")
+        return self
+
+
 class SpecialistScoring(StrictModel):
     """One specialist: its scorers and how they combine into a turn score."""
 
     description: str = Field(default="", description="What this specialist is for.")
+    tasks: TaskSourceSpec | None = Field(
+        default=None,
+        description="Where its practice prompts come from; null: it learns only from deployment and "
+        "ingested experience (validated on a fixed slice of it kept out of training).",
+    )
     required_slots: list[Name] = Field(
         default_factory=list, description="Extra prompt slots this specialist's system prompt must fill."
     )
@@ -137,6 +184,14 @@ class SelectionRules(StrictModel):
     )
     use_corrections: bool = Field(
         default=True, description="Turn a user's `feedback.correction` into a training example for that turn."
+    )
+    validation_share: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=1.0,
+        description="For a specialist without `tasks`: the share of its verified experience (chosen by a "
+        "hash of each prompt, the same slice every generation) that co-design validates harness variants "
+        "on and that is never trained on.",
     )
     sources: list[Literal["deployment", "simulation", "import"]] | None = Field(
         default=None,
@@ -243,7 +298,13 @@ class HeldoutSuite(StrictModel):
         pattern=r"^[0-9a-f]{64}$",
         description="sha256 (64 lowercase hex digits) of the JSONL file.",
     )
-    generator: Name | None = Field(default=None, description="Name of a registered task environment.")
+    generator: Name | None = Field(
+        default=None,
+        description="A registered task source (`demo`, or an entry point of `ratchet.tasks`): its `heldout` split.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options passed to the generator."
+    )
     seed: int | None = Field(default=None, description="Generator seed (the suite is a pure function of it).")
     size: int | None = Field(default=None, ge=1, description="Number of generated items.")
 
@@ -331,31 +392,57 @@ def contract_hash(spec: ContractSpec) -> str:
     return content_hash(spec)
 
 
-def verify_suites(contract: ContractSpec, contract_path: str | Path) -> list[Path]:
-    """Check every file suite exists and has its declared sha256; return their resolved paths.
+def declared_files(contract: ContractSpec) -> list[tuple[str, str, str]]:
+    """``(where, path, sha256)`` of every file the contract names: held-out suites, then task files."""
+    out = [
+        (f"heldout[{i}] ({suite.specialist})", suite.path, suite.sha256)
+        for i, suite in enumerate(contract.heldout)
+        if suite.path is not None and suite.sha256 is not None
+    ]
+    out += [
+        (f"specialists.{name}.tasks", entry.tasks.path, entry.tasks.sha256)
+        for name, entry in contract.specialists.items()
+        if entry.tasks is not None and entry.tasks.path is not None and entry.tasks.sha256 is not None
+    ]
+    return out
 
-    Generated suites are not checked here (they are produced on demand by their environment).
-    Raises ``NotFoundError`` / ``RatchetError`` naming the first bad suite.
+
+def verify_files(contract: ContractSpec, contract_path: str | Path) -> dict[str, Path]:
+    """Check every file the contract names exists and has its declared sha256; return ``{sha256: path}``.
+
+    Generated suites and task generators are not checked here (they produce items on demand).
+    Raises ``NotFoundError`` / ``RatchetError`` naming the first bad file.
     """
     base = Path(contract_path).resolve().parent
-    out = []
-    for i, suite in enumerate(contract.heldout):
-        if suite.path is None:
-            continue
-        path = Path(suite.path)
+    out = {}
+    for where, name, digest in declared_files(contract):
+        path = Path(name)
         path = path if path.is_absolute() else base / path
         if not path.is_file():
-            raise NotFoundError(
-                f"{contract_path}: heldout[{i}] ({suite.specialist}): suite file {path} not found"
-            )
+            raise NotFoundError(f"{contract_path}: {where}: file {path} not found")
         actual = file_sha256(path)
-        if actual != suite.sha256:
+        if actual != digest:
             raise RatchetError(
-                f"{contract_path}: heldout[{i}] ({suite.specialist}): sha256 of {path} is {actual}, "
-                f"the contract declares {suite.sha256}"
+                f"{contract_path}: {where}: sha256 of {path} is {actual}, the contract declares {digest}"
             )
-        out.append(path)
+        out[digest] = path
     return out
+
+
+def file_reader(contract: ContractSpec, contract_path: str | Path | None = None) -> Callable[[str], str]:
+    """``read(sha256) -> text`` of the contract's files: from beside ``contract_path`` (checked first), or
+    without one from the registry, which stored them whole at registration."""
+    if contract_path is not None:
+        paths = verify_files(contract, contract_path)
+        return lambda digest: paths[digest].read_text(encoding="utf-8")
+
+    def stored(digest: str) -> str:
+        from pipeline.registry import get_engine, load_stored_file, session_scope
+
+        with session_scope(get_engine()) as session:
+            return load_stored_file(session=session, sha256=digest).decode("utf-8")
+
+    return stored
 
 
 # Promotion settings of the first contract schema, replaced by the attempt-aware test; a stored contract

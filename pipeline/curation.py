@@ -9,7 +9,13 @@ co-design exemplars, router training data) gets its traces: it applies the held-
 
 Reasons a turn is dropped, in the order they are decided: ``specialist not trained``, ``source not
 selected``, ``unverified`` (no verifying scorer applied, no accepted correction), ``below threshold``,
-``held-out``, ``correction failed the contract``, ``no assistant turn``, ``duplicate``, ``over cap``.
+``held-out``, ``correction failed the contract``, ``no assistant turn``, ``validation slice``,
+``duplicate``, ``over cap``.
+
+A specialist whose contract entry names no task source has no validation split of its own: a fixed slice of
+its experience (``selection.validation_share`` of the prompts, by a hash of each prompt, so the same slice
+every generation) is what co-design validates harness variants on (``validation_items``), and it is never
+trained on.
 """
 
 from __future__ import annotations
@@ -87,6 +93,29 @@ def prompt_key(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()
 
 
+def in_validation_slice(messages: list[dict[str, Any]], share: float) -> bool:
+    """Whether a conversation's prompt falls in the validation slice (a pure function of the prompt)."""
+    return int(prompt_key(messages)[:16], 16) / 16**16 < share
+
+
+def validation_items(
+    candidates: list[Candidate], contract: ContractSpec, specialist: str, n: int
+) -> list[dict[str, Any]]:
+    """Up to ``n`` task items (the conversation before its answer, with the trace's metadata for the scorers)
+    from ``specialist``'s verified experience in the validation slice, one per prompt, lowest prompt hash
+    first (the same items every generation while the experience lasts)."""
+    share = contract.selection.validation_share
+    chosen: dict[str, dict[str, Any]] = {}
+    for cand, messages, _score in eligible_examples(candidates, contract):
+        if cand.specialist != specialist or not in_validation_slice(messages, share):
+            continue
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        key = prompt_key(messages)
+        if key not in chosen:
+            chosen[key] = {"messages": messages[:last], "metadata": dict(cand.metadata), "feedback": None}
+    return [chosen[k] for k in sorted(chosen)[:n]]
+
+
 def _content_key(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()
 
@@ -141,7 +170,8 @@ def select_examples(
     the turns before it are context."""
     rules = contract.selection
     wanted = set(specialists) if specialists is not None else set(contract.specialists)
-    best: dict[str, dict[str, tuple[float, int, list[dict[str, Any]], int]]] = {s: {} for s in wanted}
+    sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
+    best: dict[str, dict[str, tuple[float, int, list[dict[str, Any]], int, Any]]] = {s: {} for s in wanted}
     result = CurationResult()
     drop = result.dropped.add
     for order, cand in enumerate(candidates):
@@ -167,6 +197,9 @@ def select_examples(
         if not any(m.get("role") == "assistant" for m in messages):
             drop(cand.specialist, "no assistant turn")
             continue
+        if cand.specialist in sliced and in_validation_slice(messages, rules.validation_share):
+            drop(cand.specialist, "validation slice")
+            continue
         key = (
             prompt_key(messages)
             if rules.dedup == "prompt"
@@ -179,7 +212,7 @@ def select_examples(
             drop(cand.specialist, "duplicate")
             if slot[key][0] >= score:
                 continue
-        slot[key] = (float(score), order, messages, cand.experience_id)
+        slot[key] = (float(score), order, messages, cand.experience_id, cand.metadata.get("tools"))
     for specialist, slot in best.items():
         chosen = sorted(slot.values(), key=lambda item: (-item[0], item[1]))
         cap = rules.max_examples.get(specialist, rules.max_examples_per_specialist)
@@ -188,7 +221,8 @@ def select_examples(
             chosen = chosen[:cap]
         chosen.sort(key=lambda item: item[1])  # keep arrival order in the dataset
         result.examples[specialist] = [
-            {"messages": msgs, "score": score, "experience_id": exp_id} for score, _, msgs, exp_id in chosen
+            {"messages": msgs, "score": score, "experience_id": exp_id, "tools": tools}
+            for score, _, msgs, exp_id, tools in chosen
         ]
     return result
 
@@ -310,8 +344,13 @@ def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     from pipeline.training import dataset_sha256
 
     datasets.disable_progress_bars()
-    rows = [
-        {"messages": e["messages"], "score": e["score"], "experience_id": e["experience_id"]}
+    rows = [  # tools: the schemas the chat template was given (JSON text: one column type for every row)
+        {
+            "messages": e["messages"],
+            "score": e["score"],
+            "experience_id": e["experience_id"],
+            "tools": json.dumps(e.get("tools") or [], separators=(",", ":")),
+        }
         for e in examples
     ]
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
@@ -327,6 +366,7 @@ def curate_step(
     from pipeline.candidate import artifacts_for, contract_of, load_generation, mark_step
     from pipeline.harness import HarnessSpec
     from pipeline.heldout import heldout_index
+    from pipeline.pair import offered_tools
     from pipeline.prompting import render_messages
     from pipeline.registry import TrainingDataset, get_engine, session_scope
 
@@ -351,9 +391,11 @@ def curate_step(
             if len(examples) < config.min_examples:
                 datasets[specialist] = {"rows": len(examples), "skipped": f"fewer than {config.min_examples}"}
                 continue
+            offered = offered_tools(harness, specialist)
             for ex in examples:  # train on what the model sees under the harness
                 *context, answer = ex["messages"]
                 ex["messages"] = [*render_messages(harness, specialist, context), answer]
+                ex["tools"] = ex.get("tools") or offered
             digest, rows = save_dataset(examples, out_dir / specialist)
             session.add(
                 TrainingDataset(

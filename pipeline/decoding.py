@@ -17,7 +17,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +48,28 @@ def attn_implementation_for(base_model_dir: Path) -> str | None:
 
 
 def load_model(
-    base_model_dir: Path, adapter_dir: Path | None = None, *, merge: bool = True
+    base_model_dir: Path,
+    adapter_dir: Path | None = None,
+    *,
+    merge: bool = True,
+    where: Placement | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for inference; with ``adapter_dir`` the LoRA is applied (and merged into
-    a private copy of the weights when ``merge``, which makes decoding faster). Offline only."""
+    a private copy of the weights when ``merge``, which makes decoding faster). ``where``: device and dtype
+    (``pipeline.placement``; default: ``auto`` for both); ``tokenizer_dir``: default the base's. Offline only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    from pipeline.placement import placement
+
+    where = where or placement()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_model_dir)
     tokenizer.padding_side = "left"
     attn = attn_implementation_for(base_model_dir)
     model = AutoModelForCausalLM.from_pretrained(
-        base_model_dir, **({"attn_implementation": attn} if attn else {})
-    )
+        base_model_dir, dtype=where.torch_dtype, **({"attn_implementation": attn} if attn else {})
+    ).to(where.device)
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -128,6 +140,8 @@ def _decode_batch(
         input_ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    device = next(model.parameters()).device
+    input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
     eos = torch.tensor(sorted(end_token_ids(model, tokenizer)), dtype=torch.long)
     streams = [TextStream(tokenizer) for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool)
@@ -139,7 +153,8 @@ def _decode_batch(
             input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True, **{cache_kw: past}
         )
         past = getattr(result, cache_kw)
-        next_ids = _pick(result.logits[:, -1, :].float(), config, gen)
+        # picked on the CPU (the seeded generator lives there; a no-op copy on a CPU run)
+        next_ids = _pick(result.logits[:, -1, :].float().cpu(), config, gen)
         next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)
         newly_done = torch.isin(next_ids, eos)
         ids_list = next_ids.tolist()
@@ -150,9 +165,9 @@ def _decode_batch(
         done |= newly_done
         if bool(done.all()):
             break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
         step_pos = step_pos[:, -1:] + 1
-        step_ids = next_ids[:, None]
+        step_ids = next_ids[:, None].to(device)
     return [_cut(s.final(), config.stop) for s in streams]
 
 

@@ -135,9 +135,12 @@ class ContextPolicy(StrictModel):
     )
     include_system_prompt: bool = Field(
         default=True,
-        description="Give the model the specialist's system prompt. Real chat models are tuned to follow "
-        "one; a tiny model pretrained without system prompts is better served without (it spends scarce "
-        "positions on text it never learned to use). The prompt is still validated and stored.",
+        description="Give the model the specialist's system prompt. Combination rule: one system message, "
+        "the harness's prompt first, then each system/developer message of the client's conversation in "
+        "order, joined by a blank line. False: no system message at all (client ones dropped too). Real "
+        "chat models are tuned to follow one; a tiny model pretrained without system prompts is better "
+        "served without (it spends scarce positions on text it never learned to use). The prompt is still "
+        "validated and stored.",
     )
     keep_turns: int = Field(
         default=8, ge=0, description="Past user/assistant turns kept (oldest dropped first)."

@@ -23,22 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import RatchetError
-
 if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
 
-GENERATORS = ("demo",)
 MIN_CONTAINED = 3  # a held-out prompt of fewer words only matches a message that is exactly it
 _WORD = re.compile(r"\w+|[^\w\s]")
-
-
-def _stored_text(sha256: str) -> str:
-    """A suite file as registration stored it (content-addressed in the registry)."""
-    from pipeline.registry import get_engine, load_stored_file, session_scope
-
-    with session_scope(get_engine()) as session:
-        return load_stored_file(session=session, sha256=sha256).decode("utf-8")
 
 
 def resolve_suites(
@@ -46,23 +35,18 @@ def resolve_suites(
 ) -> dict[str, list[dict[str, Any]]]:
     """Items of every held-out suite of the contract, per specialist. File suites come from the given
     contract file's directory (sha256-checked), or without one from the registry, which stored them at
-    registration."""
-    from pipeline.contract import verify_suites
+    registration; generated suites from their task generator's ``heldout`` split."""
+    from pipeline.contract import file_reader
+    from pipeline.tasksource import draw, generator_source
 
     suites: dict[str, list[dict[str, Any]]] = {}
-    paths = iter(verify_suites(contract, contract_path) if contract_path else [])
+    read = file_reader(contract, contract_path)
     for suite in contract.heldout:
         if suite.generator is not None:
-            if suite.generator not in GENERATORS:
-                raise RatchetError(
-                    f"held-out suite of {suite.specialist}: unknown generator {suite.generator!r}; "
-                    f"expected one of {', '.join(GENERATORS)}"
-                )
-            from pipeline.environment import heldout_suite
-
-            items = heldout_suite(suite.specialist, suite.size, suite.seed)
+            source = generator_source(suite.generator, specialist=suite.specialist, options=suite.options)
+            items, _ = draw(source, "heldout", suite.size, suite.seed)
         else:
-            text = next(paths).read_text(encoding="utf-8") if contract_path else _stored_text(suite.sha256)
+            text = read(suite.sha256)
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
         for item in items:  # whatever the source, these are held-out items
             item.setdefault("metadata", {})["split"] = "heldout"

@@ -54,6 +54,31 @@ def require_clean_exemplars(
                 )
 
 
+def require_clean_tasks(contract: ContractSpec, *, contract_path: Path) -> dict[str, int]:
+    """Build every specialist's task source (an unknown generator, bad options or a malformed task file stop
+    here) and refuse task items that contain a held-out prompt: the model would practise on them. Returns
+    the number of train and validation items drawn per specialist for the check."""
+    from pipeline.contract import file_reader
+    from pipeline.heldout import heldout_index
+    from pipeline.tasksource import task_sources
+
+    index = heldout_index(contract, contract_path=contract_path)
+    counts = {}
+    for name, source in task_sources(contract, read=file_reader(contract, contract_path)).items():
+        seen = 0
+        for split in ("train", "validation"):
+            for i, item in enumerate(source.items(split, 200, 0)):
+                found = index.exclusion(messages=item.get("messages") or [], metadata=item.get("metadata"))
+                if found:
+                    raise RatchetError(
+                        f"{contract_path}: specialists.{name}.tasks: {split} item {i} {found}: held-out items "
+                        "may never be practised on"
+                    )
+                seen += 1
+        counts[name] = seen
+    return counts
+
+
 def base_model_dir(*, home: Path, name: str, spec_hash: str) -> Path:
     """Where the built tiny base model of a model spec lives (built on first use)."""
     return (home / "models" / f"{name}-{spec_hash[:12]}").resolve()
@@ -73,7 +98,7 @@ def init_lineage(
     refused (start another lineage with ``--lineage``).
     """
     from pipeline.compatibility import require_compatible
-    from pipeline.contract import load_contract, verify_suites
+    from pipeline.contract import load_contract, verify_files
     from pipeline.harness import load_harness
     from pipeline.modelspec import load_model_spec, model_spec_hash
     from pipeline.registry import (
@@ -94,7 +119,8 @@ def init_lineage(
     model = load_model_spec(model_path)
     require_compatible(harness, contract)
     require_clean_exemplars(harness, contract, where=str(harness_path), contract_path=contract_path)
-    suite_files = verify_suites(contract, contract_path)  # a missing or changed file stops here, named
+    files = verify_files(contract, contract_path)  # a missing or changed file stops here, named
+    require_clean_tasks(contract, contract_path=contract_path)
     specialists = sorted(model.specialists)
     for what, names in (("harness", harness.specialists), ("contract", contract.specialists)):
         missing = [s for s in specialists if s not in names]
@@ -115,6 +141,15 @@ def init_lineage(
         base_path = base_model_dir(
             home=get_settings().ensure_home(), name=model.name, spec_hash=model_spec_hash(model)
         )
+    if model.tokenizer != "same_as_base":  # stored resolved: later steps run from anywhere
+        tok = Path(model.tokenizer).expanduser()
+        tok = tok if tok.is_absolute() else (Path(model_path).resolve().parent / tok).resolve()
+        if not (tok / "tokenizer_config.json").is_file() and not (tok / "tokenizer.json").is_file():
+            raise NotFoundError(
+                f"{model_path}: tokenizer {str(tok)!r} is not a tokenizer directory (no tokenizer.json or "
+                "tokenizer_config.json)"
+            )
+        model = model.model_copy(update={"tokenizer": str(tok)})
 
     with session_scope(get_engine()) as session:
         base = register_base_model(
@@ -138,7 +173,7 @@ def init_lineage(
             spec=contract.model_dump(mode="json"),
             actor=actor,
         )
-        for path in suite_files:  # kept whole: nothing later needs the original file
+        for path in files.values():  # kept whole: nothing later needs the original files
             store_file(session=session, content=path.read_bytes())
         existing = list_generations(session=session, lineage=lineage)
         if existing:

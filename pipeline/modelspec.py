@@ -130,9 +130,14 @@ class ModelSpec(StrictModel):
     base: BaseModelConfig = Field(description="The frozen base model.")
     tokenizer: str = Field(
         default="same_as_base",
-        description="Tokenizer directory, or `same_as_base` (the base's own tokenizer).",
+        description="Tokenizer directory (relative to this file; with a chat template), or `same_as_base` "
+        "(the base's own tokenizer).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Weights dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Weights dtype in collection, training, evaluation and serving. `auto`: bfloat16 on a GPU "
+        "that supports it, float32 on the CPU (half precision on the CPU is honoured, with a warning: slow).",
+    )
     specialists: dict[Name, SpecialistModel] = Field(min_length=1, description="One adapter per specialist.")
 
 

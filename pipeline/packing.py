@@ -14,50 +14,103 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.toolcalls import compact_from_openai
+from pipeline.toolcalls import from_openai, render_tool_calls
 
 IGNORE = -100
 
 
-def model_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the tiny model sees them: assistant tool calls become compact text (``toolcalls``)."""
+def model_messages(messages: list[dict[str, Any]], fmt: str = "compact") -> list[dict[str, Any]]:
+    """Messages as the chat template takes them, tool calls in the contract's ``tool_call_format``:
+
+    - ``openai``: assistant ``tool_calls`` stay structured (arguments as objects, as Hugging Face chat
+      templates expect them; the template writes them, e.g. ``<tool_call>{json}</tool_call>``) and tool
+      results keep their ``tool_call_id``;
+    - ``json`` / ``compact``: the calls become the assistant's text in that format (``pipeline.toolcalls``).
+
+    Content parts are joined into one text; fields a template does not know are left out."""
     out = []
     for m in messages:
-        if m.get("role") == "assistant" and m.get("tool_calls"):
-            out.append({"role": "assistant", "content": compact_from_openai(m["tool_calls"])})
-        else:
-            out.append({"role": m["role"], "content": m.get("content") or ""})
+        role, content = m["role"], m.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls and fmt == "openai":
+            msg["tool_calls"] = [
+                {"id": tc.get("id", ""), "type": "function", "function": dict(call)}
+                for tc, call in zip(calls, from_openai(calls), strict=True)
+            ]
+        elif calls:
+            text = render_tool_calls(from_openai(calls), fmt)
+            msg["content"] = f"{msg['content']}\n{text}" if msg["content"] else text
+        if role == "tool" and m.get("tool_call_id"):
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name") and role == "tool":
+            msg["name"] = m["name"]
+        out.append(msg)
     return out
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """The prompt text for generation: the conversation so far plus the assistant header."""
-    return tokenizer.apply_chat_template(model_messages(messages), tokenize=False, add_generation_prompt=True)
+def _template(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **kw: Any
+) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, **kw)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> tuple[list[int], list[int]]:
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    fmt: str = "compact",
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text for generation: the conversation so far (tool calls in ``fmt``, the offered tools'
+    schemas given to the template) plus the assistant header."""
+    return _template(tokenizer, model_messages(messages, fmt), tools, add_generation_prompt=True)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    max_len: int,
+    *,
+    fmt: str = "compact",
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
     """Token ids and labels for a conversation; labels are -100 except on the final assistant turn
     (its content and end marker).
 
     Two renders: the conversation before the final assistant turn with the generation prompt (one prompt
     segment, tokenized in one piece as at generation time), then the conversation through it (the rest is
-    the turn, trained on). Messages after it carry no label and are left out. Relies on the template being
-    prefix-stable (rendering ``messages[:i]`` is a prefix of rendering ``messages[:i+1]``), which holds for
-    ours and common ones.
+    the turn, trained on). Messages after it carry no label and are left out. A template that is not
+    prefix-stable -- it rewrites history (drops earlier reasoning, say) or opens the generation prompt with
+    text the stored turn lacks (a forced ``<think>``) -- is handled: the labels start where the two renders
+    first differ, and only if what follows still holds the turn's own text (else ``ValueError``, and the
+    caller leaves the example out): only what the model produced is labelled.
     """
-    msgs = model_messages(messages)
+    msgs = model_messages(messages, fmt)
     ids: list[int] = []
     labels: list[int] = []
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     if last is None:  # no assistant turn: all prompt
-        _append(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False), ids, labels, train=False)
+        _append(tokenizer, _template(tokenizer, msgs, tools), ids, labels, train=False)
         return ids[:max_len], labels[:max_len]
-    prefix = tokenizer.apply_chat_template(msgs[:last], tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(msgs[: last + 1], tokenize=False)
-    if not full.startswith(prefix):
-        raise ValueError("chat template is not prefix-stable; cannot locate the assistant's tokens")
-    _append(tokenizer, prefix, ids, labels, train=False)
-    _append(tokenizer, full[len(prefix) :], ids, labels, train=True)
+    prefix = _template(tokenizer, msgs[:last], tools, add_generation_prompt=True)
+    full = _template(tokenizer, msgs[: last + 1], tools)
+    split = len(prefix) if full.startswith(prefix) else _common_prefix(prefix, full)
+    answer = msgs[last]["content"].strip()
+    if split < len(prefix) and answer and answer not in full[split:]:
+        raise ValueError("the chat template rewrites the final assistant turn; cannot locate its tokens")
+    _append(tokenizer, full[:split], ids, labels, train=False)
+    _append(tokenizer, full[split:], ids, labels, train=True)
     return ids[:max_len], labels[:max_len]
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from pipeline.harness import HarnessSpec
+    from pipeline.placement import Placement
     from pipeline.registry import Generation
 
 log = logging.getLogger(__name__)
@@ -29,16 +30,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PairSpec:
-    """What a generation serves: the base directory, one adapter directory (or None) per specialist, the harness."""
+    """What a generation serves: the base directory, one adapter directory (or None) per specialist, the
+    harness; and where it runs (device, dtype: ``pipeline.placement``) with which tokenizer."""
 
     base_dir: Path
     adapters: dict[str, Path | None]
     harness: HarnessSpec
+    where: Placement | None = None
+    tokenizer_dir: Path | None = None
 
 
 def pair_for_generation(generation: Generation) -> PairSpec:
     """The pair a registry ``Generation`` row describes (adapter files are checked against their sha256)."""
     from pipeline.harness import HarnessSpec
+    from pipeline.modelspec import ModelSpec
+    from pipeline.placement import spec_placement, tokenizer_dir
     from pipeline.spec import file_sha256
 
     adapters: dict[str, Path | None] = {}
@@ -56,22 +62,32 @@ def pair_for_generation(generation: Generation) -> PairSpec:
                 "registry (the file was changed after training)"
             )
         adapters[slot.specialist] = path
+    spec = ModelSpec.model_validate(generation.base_model.spec)
     return PairSpec(
         base_dir=Path(generation.base_model.path),
         adapters=adapters,
         harness=HarnessSpec.model_validate(generation.harness_version.spec),
+        where=spec_placement(spec.dtype),
+        tokenizer_dir=tokenizer_dir(spec.tokenizer, generation.base_model.path),
     )
 
 
-_MODELS: dict[tuple[str, str | None], tuple[Any, Any]] = {}
+_MODELS: dict[tuple[str, str | None, str], tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
 SMALL_MODEL_PARAMETERS = 50_000_000  # below this, keep several merged copies in memory
 
 
-def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def cached_model(
+    base_dir: Path,
+    adapter_dir: Path | None,
+    *,
+    where: Placement | None = None,
+    tokenizer_dir: Path | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` for a base + adapter, merged for decoding, kept for reuse in this process.
 
-    Keyed by the adapter's weights file identity (path, size, mtime), so a retrained adapter is reloaded.
+    Keyed by the adapter's weights file identity (path, size, mtime), so a retrained adapter is reloaded,
+    and by the placement and tokenizer.
     Small models keep up to 16 merged copies (collection, co-design and evaluation reload the same
     pairs many times); larger ones keep only the most recent.
     """
@@ -79,11 +95,12 @@ def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[PreTrainedMo
     if adapter_dir is not None:
         stat = (Path(adapter_dir) / "adapter_model.safetensors").stat()
         ident = f"{Path(adapter_dir).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    key = (str(Path(base_dir).resolve()), ident)
+    place = f"{where}:{tokenizer_dir}"
+    key = (str(Path(base_dir).resolve()), ident, place)
     with _MODELS_LOCK:
         found = _MODELS.pop(key, None)
         if found is None:
-            base, tokenizer = _MODELS.get((key[0], None)) or _load_base(base_dir)
+            base, tokenizer = _MODELS.get((key[0], None, place)) or _load_base(base_dir, where, tokenizer_dir)
             if adapter_dir is None:
                 found = (base, tokenizer)
             else:  # a private copy of the loaded base, with the adapter merged in (no re-reading the base)
@@ -99,12 +116,19 @@ def cached_model(base_dir: Path, adapter_dir: Path | None) -> tuple[PreTrainedMo
         return found
 
 
-def _load_base(base_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_base(
+    base_dir: Path, where: Placement | None, tokenizer_dir: Path | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from pipeline.decoding import load_model
 
-    base = load_model(base_dir)
-    _MODELS[(str(Path(base_dir).resolve()), None)] = base
+    base = load_model(base_dir, where=where, tokenizer_dir=tokenizer_dir)
+    _MODELS[(str(Path(base_dir).resolve()), None, f"{where}:{tokenizer_dir}")] = base
     return base
+
+
+def offered_tools(harness: HarnessSpec, specialist: str) -> list[dict[str, Any]]:
+    """The harness's tools for ``specialist`` as OpenAI tool dicts (what a chat template and a parser take)."""
+    return [t.model_dump(mode="json", exclude_none=True) for t in harness.tools_for(specialist)]
 
 
 def answer_items(
@@ -122,9 +146,9 @@ def answer_items(
     """
     from pipeline.clock import CLOCK
     from pipeline.decoding import SamplingConfig, generate
-    from pipeline.environment import completion_trace
     from pipeline.packing import render_prompt
     from pipeline.prompting import decoding_for, render_messages
+    from pipeline.toolcalls import answered_trace
 
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
     done = 0
@@ -145,9 +169,18 @@ def answer_items(
             stop=tuple(decoding.stop),
             seed=seed,
         )
-        model, tokenizer = cached_model(pair.base_dir, pair.adapters[specialist])
+        model, tokenizer = cached_model(
+            pair.base_dir, pair.adapters[specialist], where=pair.where, tokenizer_dir=pair.tokenizer_dir
+        )
+        fmt = pair.harness.tool_call_format
+        tools = offered_tools(pair.harness, specialist)
         prompts = [
-            render_prompt(tokenizer, render_messages(pair.harness, specialist, it["messages"]))
+            render_prompt(
+                tokenizer,
+                render_messages(pair.harness, specialist, it["messages"]),
+                fmt=fmt,
+                tools=(it.get("metadata") or {}).get("tools") or tools,
+            )
             for it in items
         ]
         base_done = done
@@ -163,7 +196,7 @@ def answer_items(
         CLOCK.add("generate", time.perf_counter() - started)
         done += len(items) * num_samples
         out[specialist] = [
-            [completion_trace(item, text) for text in texts]
+            [answered_trace(item, text, fmt=fmt, tools=tools) for text in texts]
             for item, texts in zip(items, completions, strict=True)
         ]
     return out

@@ -12,7 +12,9 @@ A format is a pair of functions: ``parse(text) -> [{"name", "arguments"}] | None
   tool schema's property order passes it as ``order``).
 
 ``parse_tool_calls`` tries the harness's format first, then the others, and accepts a call only when its
-name is one of the offered tools, so plain prose is never mistaken for a call. ``register_format`` adds a
+name is one of the offered tools, so plain prose is never mistaken for a call. ``assistant_message`` is the
+one reader of a model's reply that the loop and the server share: the OpenAI assistant message of a
+completion (prose before ``<tool_call>`` blocks is kept as its content). ``register_format`` adds a
 format. ``to_openai`` / ``from_openai`` convert to and from OpenAI's shape. Pure functions, no torch.
 """
 
@@ -152,6 +154,65 @@ def parse_tool_calls(text: str, tool_names: Iterable[str], fmt: str = "json") ->
         if calls and all(c["name"] in names for c in calls):
             return calls
     return None
+
+
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def split_tool_calls(
+    text: str, tool_names: Iterable[str], fmt: str = "json"
+) -> tuple[str | None, list[Call] | None]:
+    """``(content, calls)`` of a completion: ``<tool_call>`` blocks (several, after optional prose) or a text
+    that is only calls in a known format; ``(text, None)`` when it calls no offered tool."""
+    names = set(tool_names)
+    blocks = list(_TAGGED.finditer(text))
+    if names and blocks and not _TAGGED.sub("", text[blocks[0].start() :]).strip():
+        calls = []
+        for block in blocks:
+            parsed = _parse_json(block.group(1))
+            if not parsed or not all(c["name"] in names for c in parsed):
+                return text, None
+            calls += parsed
+        prose = text[: blocks[0].start()].strip()
+        return prose or None, calls
+    calls = parse_tool_calls(text, names, fmt)
+    return (None, calls) if calls else (text, None)
+
+
+def assistant_message(
+    text: str, tool_names: Iterable[str], fmt: str = "json", *, seed_text: str = ""
+) -> dict[str, Any]:
+    """The OpenAI assistant message of a completion: ``tool_calls`` (stable ids from ``seed_text``) when it
+    calls offered tools, else its text as content."""
+    content, calls = split_tool_calls(text, tool_names, fmt)
+    if calls:
+        return {"role": "assistant", "content": content, "tool_calls": to_openai(calls, seed_text=seed_text)}
+    return {"role": "assistant", "content": text}
+
+
+def answered_trace(
+    item: dict[str, Any],
+    text: str,
+    *,
+    fmt: str,
+    tools: Iterable[dict[str, Any]] | None = None,
+    seed_text: str = "",
+) -> dict[str, Any]:
+    """The trace of a task item (a conversation without its answer) answered with a completion's ``text``:
+    its messages plus ``assistant_message`` (tools: the item's ``metadata.tools``, else ``tools``)."""
+    meta = dict(item.get("metadata") or {})
+    offered = meta.get("tools") or list(tools or [])
+    seed = seed_text or str(meta.get("task_id", ""))
+    return {
+        "messages": [*item["messages"], assistant_message(text, tool_names(offered), fmt, seed_text=seed)],
+        "metadata": meta,
+        "feedback": None,
+    }
+
+
+def tool_names(tools: Iterable[dict[str, Any]] | None) -> list[str]:
+    """Names of OpenAI function tools (``{"type": "function", "function": {"name": ...}}``)."""
+    return [str((t.get("function") or {}).get("name", "")) for t in tools or [] if isinstance(t, dict)]
 
 
 def render_tool_calls(calls: Sequence[Call], fmt: str = "json") -> str:

@@ -87,8 +87,14 @@ def train_tokenizer(kind: str = "bytelevel", vocab_size: int = 400):
     return fast
 
 
-def build_real_model(path: Path, *, kind: str = "bytelevel", seed: int = 0, shards: int = 3) -> Path:
-    """Save a random-weight Qwen3 with a trained tokenizer under ``path`` (no pad token; sharded)."""
+def build_real_model(
+    path: Path, *, kind: str = "bytelevel", seed: int = 0, shards: int = 3, sharpness: float = 20.0
+) -> Path:
+    """Save a random-weight Qwen3 with a trained tokenizer under ``path`` (no pad token; sharded).
+
+    ``sharpness`` scales the embeddings and the output layer: sharp logits make greedy output far from
+    uniform (what decoding tests need); 1.0 keeps the standard initialisation, which fine-tuning moves
+    more easily (what loop tests need)."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -110,8 +116,8 @@ def build_real_model(path: Path, *, kind: str = "bytelevel", seed: int = 0, shar
     )
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # sharp logits: greedy output is far from uniform, and rarely an end token
-        model.model.embed_tokens.weight.mul_(20.0)
-        model.lm_head.weight.mul_(20.0)
+        model.model.embed_tokens.weight.mul_(sharpness)
+        model.lm_head.weight.mul_(sharpness)
         model.lm_head.weight[[tok.convert_tokens_to_ids(t) for t in SPECIAL]].mul_(0.2)
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],

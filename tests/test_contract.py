@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.contract import ContractSpec, contract_hash, load_contract, verify_suites
+from pipeline.contract import ContractSpec, contract_hash, load_contract, verify_files
 from pipeline.errors import NotFoundError, RatchetError
 from pipeline.spec import SpecError, content_hash
 
@@ -189,18 +189,18 @@ def test_heldout_file_suite_verifies(tmp_path):
         "  - {specialist: chat, generator: arithmetic, seed: 3, size: 10}\n",
     )
     spec = load_contract(path)
-    assert verify_suites(spec, path) == [suite.resolve()]
+    assert verify_files(spec, path) == {digest: suite.resolve()}
     # an absolute path works too
     spec.heldout[0].path = str(suite)
-    assert verify_suites(spec, path) == [suite]
+    assert verify_files(spec, path) == {digest: suite}
     suite.write_text("changed\n")
     with pytest.raises(
         RatchetError, match=r"heldout\[0\] \(chat\): sha256 of .* is [0-9a-f]{64}, the contract"
     ):
-        verify_suites(spec, path)
+        verify_files(spec, path)
     suite.unlink()
-    with pytest.raises(NotFoundError, match="suite file .* not found"):
-        verify_suites(spec, path)
+    with pytest.raises(NotFoundError, match=r"heldout\[0\] \(chat\): file .* not found"):
+        verify_files(spec, path)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +225,39 @@ def test_demo_contract_covers_the_four_specialists():
     kinds = {name: {s.kind for s in entry.scorers} for name, entry in spec.specialists.items()}
     assert "exact_match" in kinds["chat"] and "tool_call" in kinds["agent"]
     assert "python_tests" in kinds["coding"] and "json_schema" in kinds["genui"]
-    assert verify_suites(spec, ROOT / "contracts" / "demo.yaml") == []
+    assert verify_files(spec, ROOT / "contracts" / "demo.yaml") == {}
+    assert all(entry.tasks and entry.tasks.generator == "demo" for entry in spec.specialists.values())
+
+
+def test_task_source_entries(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"messages": [{"role": "user", "content": "hi"}], "metadata": {"expected": "hello"}}\n')
+    digest = hashlib.sha256(tasks.read_bytes()).hexdigest()
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        MINIMAL.replace("  chat:\n", f"  chat:\n    tasks: {{path: tasks.jsonl, sha256: '{digest}'}}\n", 1)
+    )
+    spec = load_contract(path)
+    assert spec.specialists["chat"].tasks.path == "tasks.jsonl"
+    assert verify_files(spec, path) == {digest: tasks.resolve()}
+    tasks.write_text("changed\n")
+    with pytest.raises(RatchetError, match=r"specialists.chat.tasks: sha256 of .* the contract declares"):
+        verify_files(spec, path)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("{path: x.jsonl}", "needs both `path` and `sha256`"),
+        ("{}", "give either"),
+        ("{generator: demo, path: x.jsonl}", "give either"),
+        ("{path: x, sha256: '" + "a" * 64 + "', options: {a: 1}}", "`options` are for a generator"),
+        ("{generator: demo, validation_share: 1.5}", "less than 1"),
+    ],
+)
+def test_task_source_errors(tmp_path, entry, message):
+    err = load_error(tmp_path, MINIMAL.replace("  chat:\n", f"  chat:\n    tasks: {entry}\n", 1))
+    assert message in " ".join(i.message for i in err.issues)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -249,7 +281,7 @@ def test_cli_lint_ok(capsys):
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     spec = load_contract(files[0])
-    assert out[0] == f"ok {files[0]} (demo 2 {contract_hash(spec)[:12]})"
+    assert out[0] == f"ok {files[0]} (demo {spec.version} {contract_hash(spec)[:12]})"
     assert out[1].startswith(f"ok {files[1]} (demo v1 ") and out[2].startswith(f"ok {files[2]} (tiny-demo ")
 
 

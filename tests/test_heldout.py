@@ -87,8 +87,7 @@ def _disguises(prompt: str) -> list[list[dict]]:
 
 def _plant(contract) -> list[str]:
     """Held-out items as verified, correct, high-scoring experience: ingested, served and corrected."""
-    from pipeline.environment import reference_answer
-    from pipeline.environment.tasks import assistant_message
+    from pipeline.environment import completion_trace, reference_answer
     from pipeline.experience import trace_row, validate_trace
     from pipeline.heldout import resolve_suites
     from pipeline.registry import get_engine, insert_traces, session_scope
@@ -98,7 +97,7 @@ def _plant(contract) -> list[str]:
         for item in items[:3]:
             prompt = item["messages"][0]["content"]
             prompts.append(prompt)
-            answer = assistant_message(item, reference_answer(item))
+            answer = completion_trace(item, reference_answer(item))["messages"][-1]
             meta = {k: v for k, v in item["metadata"].items() if k != "split"}  # the mark is gone
             for i, context in enumerate(_disguises(prompt)):
                 trace = validate_trace({"messages": [*context, answer], "metadata": meta})

@@ -12,7 +12,9 @@ from pipeline.cli.app import app
 from pipeline.errors import RatchetError
 
 LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
-PromptsOpt = Annotated[int, typer.Option(min=1, help="Environment prompts per specialist per cycle.")]
+PromptsOpt = Annotated[
+    int, typer.Option(min=1, help="Practice prompts per specialist per cycle, from its contract task source.")
+]
 SamplesOpt = Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")]
 
 

@@ -45,7 +45,7 @@ def detect_kind(path: Path, data: Any) -> str | None:
 def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[list[str], Any, str | None]:
     """Lint one file: (issues as printable lines, the loaded spec or None, the kind)."""
     from pipeline.compatibility import check_harness
-    from pipeline.contract import verify_suites
+    from pipeline.contract import verify_files
     from pipeline.errors import RatchetError
     from pipeline.spec import SpecError, SpecIssue, parse_yaml, validate_spec_text
 
@@ -72,7 +72,10 @@ def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[
     issues: list[str] = []
     if kind == "contract":
         try:
-            verify_suites(spec, path)
+            verify_files(spec, path)
+            from pipeline.lineage import require_clean_tasks
+
+            require_clean_tasks(spec, contract_path=path)  # generators exist, task files parse, none held out
         except RatchetError as exc:
             issues.append(str(exc))
     if kind == "harness" and contract is not None:

@@ -6,16 +6,41 @@ changed, and every variant must satisfy it.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from pipeline.candidate import AdvanceConfig, Progress, contract_of, load_generation, mark_step, step_seed
 
+if TYPE_CHECKING:
+    from pipeline.contract import ContractSpec
+    from pipeline.curation import Candidate
 
-def validation_items(specialists: list[str], *, n: int, seed: int) -> dict[str, list[dict[str, Any]]]:
-    """Training-split items for choosing among harness variants (never the held-out suites)."""
-    from pipeline.environment import sample_prompts
 
-    return {s: sample_prompts(s, n, seed) for s in specialists}
+def validation_items(
+    contract: ContractSpec,
+    specialists: list[str],
+    *,
+    n: int,
+    seed: int,
+    candidates: list[Candidate],
+) -> dict[str, list[dict[str, Any]]]:
+    """Items to choose among harness variants on (never the held-out suites): each specialist's task source's
+    validation split, or for a specialist without one the validation slice of its verified experience
+    (``curation.validation_items``), which curation keeps out of training."""
+    from pipeline.contract import file_reader
+    from pipeline.curation import validation_items as experience_items
+    from pipeline.heldout import heldout_index
+    from pipeline.tasksource import draw, task_sources
+
+    sources = task_sources(contract, read=file_reader(contract))
+    index = heldout_index(contract)
+    out = {}
+    for s in specialists:
+        if s in sources:
+            out[s], _ = draw(sources[s], "validation", n, seed, heldout=index)
+        else:
+            out[s] = experience_items(candidates, contract, s, n)
+    return out
 
 
 def codesign_step(
@@ -27,7 +52,7 @@ def codesign_step(
     from pipeline.curation import eligible_examples, lineage_candidates
     from pipeline.evaluation import score_pair
     from pipeline.heldout import heldout_index
-    from pipeline.pair import PairSpec, pair_for_generation
+    from pipeline.pair import pair_for_generation
     from pipeline.registry import get_engine, register_harness, session_scope
 
     engine = get_engine()
@@ -64,14 +89,18 @@ def codesign_step(
             rng_seed=step_seed(config, number, "codesign"),
         )
         items = validation_items(
-            sorted(pair.adapters), n=config.validation_items, seed=step_seed(config, number, "validation")
+            contract,
+            sorted(pair.adapters),
+            n=config.validation_items,
+            seed=step_seed(config, number, "validation"),
+            candidates=candidates,
         )
         scores = {}
         best_label, best_value, best_spec = parent_harness.version, None, parent_harness
         for label, spec in [(parent_harness.version, parent_harness), *((v.label, v.spec) for v in variants)]:
             if check_harness(spec, contract):
                 continue
-            per = score_pair(PairSpec(pair.base_dir, pair.adapters, spec), items, contract)
+            per = score_pair(dataclasses.replace(pair, harness=spec), items, contract)
             value = sum(sum(v) / len(v) for v in per.values() if v) / max(
                 1, sum(1 for v in per.values() if v)
             )

@@ -18,8 +18,10 @@ family        prompt                      answer (checked by)
 
 Split: the canonical problem is the unordered pair ``{a, b}``; ``split_of(a, b)`` puts ~20% of all pairs
 in ``heldout`` by a hash of ``"min+max"``, for every family at once, so no held-out sum is ever practised
-in any format or in either order (``b+a`` is the same problem as ``a+b``). Training streams
-(``sample_prompts``, ``training_corpus``) only draw train pairs.
+in any format or in either order (``b+a`` is the same problem as ``a+b``), and ~8% of the rest in
+``validation`` (what co-design chooses harness variants on: never practised by collection). Collection
+(``sample_prompts``) draws train pairs only; the tiny base's pretraining corpus (``training_corpus``) draws
+train and validation pairs (it is built once, before any generation, and never sees a held-out pair).
 """
 
 from __future__ import annotations
@@ -30,21 +32,26 @@ import json
 import random
 from typing import Any
 
-from pipeline.environment.toolcalls import TOOLS, format_compact_call, openai_tool_call
+from pipeline.environment.toolcalls import TOOLS, format_compact_call
 
 FAMILIES: tuple[str, ...] = ("chat", "agent", "coding", "genui")
 LOW, HIGH = 10, 99
 HELDOUT_PER_256 = 52  # ~20% of the 8,100 pairs
+VALIDATION_PER_256 = 20  # ~8% of the rest
+SPLITS = ("train", "validation", "heldout")
 ITEMS = ("egg", "milk", "tea", "rice", "salt", "jam")
 WIDGETS = ("counter", "progress")
 WIDGET_KEY = {"counter": "value", "progress": "percent"}
 
 
 def split_of(a: int, b: int) -> str:
-    """``heldout`` or ``train`` for the problem ``a+b`` (a pure function of the unordered pair: ``b+a``
-    is on the same side)."""
+    """``heldout``, ``validation`` or ``train`` for the problem ``a+b`` (a pure function of the unordered
+    pair: ``b+a`` is on the same side)."""
     low, high = min(a, b), max(a, b)
-    return "heldout" if hashlib.sha256(f"{low}+{high}".encode()).digest()[0] < HELDOUT_PER_256 else "train"
+    digest = hashlib.sha256(f"{low}+{high}".encode()).digest()
+    if digest[0] < HELDOUT_PER_256:
+        return "heldout"
+    return "validation" if digest[1] < VALIDATION_PER_256 else "train"
 
 
 @functools.cache
@@ -111,25 +118,11 @@ def reference_answer(item: dict[str, Any]) -> str:
     return item["metadata"]["expected"]
 
 
-def assistant_message(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
-    """The OpenAI-shaped assistant message for a completion (tool calls parsed for ``agent``)."""
-    from pipeline.environment.toolcalls import parse_compact_call
-
-    if item["metadata"]["task"] == "agent":
-        call = parse_compact_call(completion_text)
-        if call is not None:
-            tc = openai_tool_call(call, seed_text=item["metadata"]["task_id"])
-            return {"role": "assistant", "content": None, "tool_calls": [tc]}
-    return {"role": "assistant", "content": completion_text}
-
-
 def completion_trace(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
-    """The full trace of ``item`` answered with ``completion_text``."""
-    return {
-        "messages": [*item["messages"], assistant_message(item, completion_text)],
-        "metadata": dict(item["metadata"]),
-        "feedback": None,
-    }
+    """The full trace of ``item`` answered with ``completion_text`` (the tiny model writes compact calls)."""
+    from pipeline.toolcalls import answered_trace
+
+    return answered_trace(item, completion_text, fmt="compact")
 
 
 def _draw(rng: random.Random, pairs: tuple[tuple[int, int], ...], family: str) -> dict[str, Any]:
@@ -137,10 +130,13 @@ def _draw(rng: random.Random, pairs: tuple[tuple[int, int], ...], family: str) -
     return make_item(family, a, b, variant=rng.randrange(12))
 
 
-def sample_prompts(family: str, n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` task items of ``family`` from the training split (with repeats), deterministic by seed."""
-    rng = random.Random(f"prompts:{family}:{seed}")
-    pairs = _pairs("train")
+def sample_prompts(family: str, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """``n`` task items of ``family`` from ``split`` (``train`` or ``validation``; with repeats),
+    deterministic by seed."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"sample_prompts draws train or validation items, not {split!r}")
+    rng = random.Random(f"prompts:{family}:{seed}" if split == "train" else f"{split}:{family}:{seed}")
+    pairs = _pairs(split)
     return [_draw(rng, pairs, family) for _ in range(n)]
 
 
@@ -156,7 +152,7 @@ def training_corpus(n: int, seed: int, families: tuple[str, ...] = FAMILIES) -> 
     """``n`` complete traces (prompt + reference answer) from the training split, families interleaved;
     used for bootstrap pre-training of the tiny base model."""
     rng = random.Random(f"corpus:{seed}")
-    pairs = _pairs("train")
+    pairs = _pairs("train") + _pairs("validation")
     out = []
     for i in range(n):
         item = _draw(rng, pairs, families[i % len(families)])

@@ -48,7 +48,9 @@ class Engine(Protocol):
 
     context_limit: int | None
 
-    def count_tokens(self, messages: list[dict[str, Any]]) -> int: ...
+    def count_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> int: ...
 
     def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]: ...
 
@@ -67,13 +69,13 @@ class EmbeddedEngine:
         self.scheduler = scheduler
         self.context_limit: int | None = runtime.context_limit
 
-    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
-        return self.runtime.count_tokens(messages)
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        return self.runtime.count_tokens(messages, tools)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
         if request.specialist not in self.runtime.specialists:
             raise RatchetError(f"specialist {request.specialist!r} is not served by this generation")
-        ids = self.runtime.encode(request.messages)
+        ids = self.runtime.encode(request.messages, request.tools)
         ticket = self.scheduler.submit(
             self.runtime,
             GenerationRequest(
@@ -126,14 +128,14 @@ class ExternalEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
 
-    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         if self.tokenizer is not None:
             from pipeline.packing import render_prompt
 
-            return len(
-                self.tokenizer(render_prompt(self.tokenizer, messages), add_special_tokens=False)["input_ids"]
-            )
-        return int(sum(len(str(m.get("content") or "")) + 8 for m in messages) / self.chars_per_token) + 1
+            text = render_prompt(self.tokenizer, messages, fmt="openai", tools=tools)
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        chars = sum(len(str(m.get("content") or "")) + 8 for m in messages) + len(str(tools or ""))
+        return int(chars / self.chars_per_token) + 1
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         model = self.model_names.get(request.specialist)

@@ -21,12 +21,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.decoding import end_token_ids
 from pipeline.detokenization import TextStream
 from pipeline.errors import RatchetError
 from pipeline.spec import file_sha256
+
+if TYPE_CHECKING:
+    from pipeline.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +159,6 @@ def _attach(model: Any, src: AdapterSource, config: dict) -> Any:
     return model
 
 
-def pick_device(name: str = "auto") -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def load_runtime(
     base_path: str | Path,
     adapters: Sequence[AdapterSource],
@@ -171,16 +166,19 @@ def load_runtime(
     specialists: Sequence[str] | None = None,
     base_model_id: int | None = None,
     device: str = "auto",
+    where: Placement | None = None,
+    tokenizer_dir: str | Path | None = None,
+    tool_call_format: str = "openai",
     mix: str = "segments",
 ) -> MixtureRuntime:
     """Load the base once, check and attach every adapter by specialist name (see ``check_adapter_files``).
 
     ``specialists`` lists every specialist served; one without an adapter is served by the base model.
     ``mix``: ``segments`` (``pipeline.serving.mixlora``: batched per-row LoRA, the default where supported)
-    or ``peft`` (peft's per-sample ``adapter_names``) for mixed-adapter batches.
+    or ``peft`` (peft's per-sample ``adapter_names``) for mixed-adapter batches. ``where``: device and dtype
+    (``pipeline.placement``; default: ``device`` with the dtype ``auto``); ``tool_call_format``: how prompts show tool calls.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_path = Path(base_path)
@@ -190,11 +188,13 @@ def load_runtime(
         raise RatchetError(
             f"base model directory {base_path} has no safetensors weights (pickles are refused)"
         )
-    device = pick_device(device)
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    from pipeline.placement import placement
+
+    where = where or placement(device=device)
+    device = where.device
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_path)
     tokenizer.padding_side = "left"
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=where.torch_dtype, use_safetensors=True)
     names = [n for n, _ in model.named_modules()]
     for src in adapters:
         config = check_adapter_files(src, base_model_id=base_model_id, module_names=names)
@@ -204,7 +204,9 @@ def load_runtime(
     for p in model.parameters():
         p.requires_grad_(False)
     served = list(specialists) if specialists is not None else [a.specialist for a in adapters]
-    return MixtureRuntime(model, tokenizer, served, {a.specialist for a in adapters}, device, mix=mix)
+    runtime = MixtureRuntime(model, tokenizer, served, {a.specialist for a in adapters}, device, mix=mix)
+    runtime.tool_call_format = tool_call_format
+    return runtime
 
 
 class MixtureRuntime:
@@ -236,20 +238,22 @@ class MixtureRuntime:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.mix = "segments" if mix == "segments" and mixlora.supported(model) else "peft"
         self.segmented = mixlora.install(model, sorted(adapters)) if self.mix == "segments" else None
+        self.tool_call_format = "openai"  # how prompts show tool calls (the served harness's format)
 
     def adapter_name(self, specialist: str) -> str:
         """The peft adapter serving ``specialist`` (``__base__`` for a specialist with no adapter yet)."""
         return specialist if specialist in self.adapters else BASE
 
-    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Prompt token ids for a conversation (the training chat rendering, with the assistant header)."""
+    def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids for a conversation (the training chat rendering, with the assistant header;
+        tool calls in the harness's format, the offered tools' schemas given to the template)."""
         from pipeline.packing import render_prompt
 
-        text = render_prompt(self.tokenizer, messages)
+        text = render_prompt(self.tokenizer, messages, fmt=self.tool_call_format, tools=tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def count_tokens(self, messages: list[dict[str, Any]]) -> int:
-        return len(self.encode(messages))
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        return len(self.encode(messages, tools))
 
     def generate(
         self, requests: Sequence[GenerationRequest], on_text: Callable[[int, str], None] | None = None

@@ -69,6 +69,7 @@ class GenerationPlan:
     specialists: list[str]
     adapters: list[AdapterSource]
     state: dict[str, Any]
+    model_spec: dict[str, Any] | None = None  # the base's model spec (dtype, tokenizer)
 
 
 def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
@@ -110,6 +111,7 @@ def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
             specialists=[slot.specialist for slot in gen.adapters],
             adapters=adapters,
             state=dict(gen.state or {}),
+            model_spec=dict(gen.base_model.spec or {}),
         )
 
 
@@ -137,12 +139,18 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             import torch
 
             torch.set_num_threads(config.threads)
+        from pipeline.modelspec import ModelSpec
+        from pipeline.placement import placement, tokenizer_dir
+
+        spec = ModelSpec.model_validate(plan.model_spec) if plan.model_spec else None
         runtime = load_runtime(
             plan.base_path,
             plan.adapters,
             specialists=specialists,
             base_model_id=plan.base_model_id,
-            device=config.device,
+            where=placement(dtype=spec.dtype if spec else "auto", device=config.device),
+            tokenizer_dir=tokenizer_dir(spec.tokenizer if spec else "same_as_base", plan.base_path),
+            tool_call_format=harness.tool_call_format,
         )
         engine: Engine = EmbeddedEngine(runtime, scheduler)
     else:
@@ -150,14 +158,14 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             raise RatchetError(
                 "--engine external needs --engine-url (the OpenAI-compatible multi-LoRA server)"
             )
+        from pipeline.placement import tokenizer_dir
+
         tokenizer, limit = None, None
-        if (
-            Path(plan.base_path, "tokenizer.json").is_file()
-            or Path(plan.base_path, "tokenizer_config.json").is_file()
-        ):
+        tok_dir = tokenizer_dir(str((plan.model_spec or {}).get("tokenizer", "same_as_base")), plan.base_path)
+        if (tok_dir / "tokenizer.json").is_file() or (tok_dir / "tokenizer_config.json").is_file():
             from transformers import AutoConfig, AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(plan.base_path)
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
             limit = getattr(AutoConfig.from_pretrained(plan.base_path), "max_position_embeddings", None)
         engine = ExternalEngine(
             config.engine_url,

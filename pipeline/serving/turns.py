@@ -30,7 +30,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
-from pipeline.toolcalls import parse_tool_calls, to_openai
+from pipeline.toolcalls import assistant_message
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class ServerState:
         assert served is not None
         messages = req.plain_messages()
         tool_names = req.tool_names()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_names else None
         turn = turn_from_messages(
             messages, issuer_of=self.memory.issuers(messages), tools_offered=bool(tool_names)
         )
@@ -167,7 +168,7 @@ class ServerState:
                 decision.specialist,
                 harness=served.harness,
                 memory=self.memory,
-                count_tokens=served.engine.count_tokens,
+                count_tokens=lambda msgs: served.engine.count_tokens(msgs, tools),
                 max_new_tokens=max_tokens,
                 context_limit=limit,
             )
@@ -181,21 +182,20 @@ class ServerState:
             top_p=req.top_p if req.top_p is not None else dec.top_p,
             stop=tuple(dict.fromkeys(req.stops() + tuple(dec.stop))),
             seed=req.seed,
-            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tool_names() else None,
+            tools=tools,
         )
         return ChatTurn(req, served, decision, ereq, messages, new_completion_id(), int(time.time()), started)
 
     def answer_message(self, turn: ChatTurn, result: EngineResult) -> tuple[dict, str]:
+        """The reply: the engine's native tool calls, or the model's text read by the parser the loop uses
+        (``toolcalls.assistant_message``)."""
         names = turn.req.tool_names()
-        calls = None
         if names and result.tool_calls:
-            calls = result.tool_calls
-        elif names:
-            parsed = parse_tool_calls(result.text, names, turn.served.harness.tool_call_format)
-            calls = to_openai(parsed, seed_text=turn.cid) if parsed else None
-        if calls:
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": result.text}, result.finish_reason
+            return {"role": "assistant", "content": None, "tool_calls": result.tool_calls}, "tool_calls"
+        message = assistant_message(
+            result.text, names, turn.served.harness.tool_call_format, seed_text=turn.cid
+        )
+        return message, "tool_calls" if message.get("tool_calls") else result.finish_reason
 
     async def complete_turn(self, turn: ChatTurn) -> tuple[dict, str, EngineResult]:
         """Decode, build the reply and record the turn (run as its own task: a client that disconnects

@@ -28,10 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
 from pipeline.spec import content_hash, file_sha256, weights_sha256
+
+if TYPE_CHECKING:
+    from pipeline.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class TrainConfig:
     max_seq_len: int | None = None
     warmup_steps: int = 10
     weight_decay: float = 0.0
+    # how tool calls appear in the rendered conversation (the contract's ``tool_call_format``)
+    tool_call_format: str = "compact"
 
 
 @dataclass(frozen=True)
@@ -149,8 +154,12 @@ def train_lora(
     tracker: Any = None,
     progress: Callable[[int, int, float], None] | None = None,
     stop_after_steps: int | None = None,
+    where: Placement | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter; return where it was saved and how training went.
+
+    ``where``: device and dtype (``pipeline.placement``; default ``auto``); ``tokenizer_dir``: default the base's.
 
     ``stop_after_steps`` interrupts the job after that many steps *in this call* (after checkpointing),
     returning ``completed=False``: the hook tests and schedulers use to simulate a killed job.
@@ -169,6 +178,7 @@ def train_lora(
 
     from pipeline.decoding import attn_implementation_for
     from pipeline.packing import encode_chat, packed_tensors
+    from pipeline.placement import placement
     from pipeline.training.kernels import assistant_loss, merged_lora
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -182,18 +192,28 @@ def train_lora(
     data_hash = dataset_sha256(rows)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    where = where or placement()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_model_dir)
     # Llama-3-style tokenizers have no pad token: pad with EOS (padding is masked out of attention and loss).
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     max_len = config.max_seq_len or sequence_limit(base_model_dir)
-    examples = [encode_chat(tokenizer, r["messages"], max_len) for r in rows]
+    examples, unlabelled = [], 0
+    for r in rows:
+        try:
+            tools = json.loads(r.get("tools") or "[]") or None
+            example = encode_chat(tokenizer, r["messages"], max_len, fmt=config.tool_call_format, tools=tools)
+        except ValueError as exc:  # a template that rewrites the trained turn: leave the row out, say so
+            log.warning("%s: a row is left out: %s", dataset_dir, exc)
+            unlabelled += 1
+            continue
+        examples.append(example)
     examples = [e for e in examples if any(label != -100 for label in e[1])]
     if not examples:
         raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
     attn = attn_implementation_for(base_model_dir)
     base = AutoModelForCausalLM.from_pretrained(
-        base_model_dir, **({"attn_implementation": attn} if attn else {})
-    )
+        base_model_dir, dtype=where.torch_dtype, **({"attn_implementation": attn} if attn else {})
+    ).to(where.device)
     if parent_adapter_dir is not None:
         model = PeftModel.from_pretrained(base, parent_adapter_dir, is_trainable=True)
     else:
@@ -231,13 +251,14 @@ def train_lora(
                     **asdict(config),
                     "dataset_sha256": data_hash,
                     "examples": len(examples),
+                    "rows_left_out": unlabelled,
                     "total_steps": total,
                 }
             )
         tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
         while step < total:
             batch = [examples[i] for i in batch_indices(len(examples), config.batch_size, step, config.seed)]
-            tensors = packed_tensors(batch, max_len, pad_id)
+            tensors = {k: v.to(where.device) for k, v in packed_tensors(batch, max_len, pad_id).items()}
             loss = assistant_loss(model, tensors)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -27,6 +27,7 @@ def train_step(
 
     from pipeline.clock import CLOCK
     from pipeline.modelspec import ModelSpec
+    from pipeline.placement import spec_placement, tokenizer_dir
     from pipeline.registry import (
         TrainingDataset,
         create_adapter,
@@ -45,6 +46,7 @@ def train_step(
             set_generation_status(session=session, generation=gen, status="training")
         parent = load_generation(session, gen.parent_id)
         spec = ModelSpec.model_validate(gen.base_model.spec)
+        tool_call_format = gen.harness_version.spec.get("tool_call_format", "openai")
         base_dir, base_id, number = Path(gen.base_model.path), gen.base_model_id, gen.number
         parent_adapters = {a.specialist: a.adapter for a in parent.adapters}
         datasets = {
@@ -82,6 +84,7 @@ def train_step(
             batch_size=defaults.batch_size,
             max_seq_len=defaults.max_seq_len,
             seed=step_seed(config, number, specialist),
+            tool_call_format=tool_call_format,
         )
         result = train_lora(
             base_model_dir=base_dir,
@@ -97,6 +100,8 @@ def train_step(
             },
             tracker=tracker,
             progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
+            where=spec_placement(spec.dtype),
+            tokenizer_dir=tokenizer_dir(spec.tokenizer, base_dir),
         )
         CLOCK.add("train", result.seconds)  # the optimisation loop itself; loading and saving are overhead
         version = None

@@ -143,7 +143,12 @@ def register_generation(
     if harness_version:
         harness["version"] = harness_version
     with session_scope(get_engine(url)) as s:
-        base = register_base_model(session=s, name="tiny", path=str(artifacts["base"]), spec={"kind": "tiny"})
+        spec = {
+            "name": "tiny",
+            "base": {"path": str(artifacts["base"])},
+            "specialists": {sp: {} for sp in specialists},
+        }
+        base = register_base_model(session=s, name="tiny", path=str(artifacts["base"]), spec=spec)
         hv = register_harness(session=s, name=harness["name"], version=harness["version"], spec=harness)
         cv = register_contract(session=s, name="c", version="1", spec={"name": "c"})
         ids = {}

@@ -1,0 +1,51 @@
+"""Device and dtype resolution (this machine has no GPU: the CUDA branch is checked where it refuses)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pipeline import placement as placement_module
+from pipeline.errors import RatchetError
+from pipeline.placement import placement, tokenizer_dir
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_auto_is_float32_on_the_cpu_and_cuda_is_refused_without_a_gpu():
+    where = placement()
+    assert (where.device, where.dtype, where.torch_dtype) == ("cpu", "float32", torch.float32)
+    with pytest.raises(RatchetError, match="torch sees no CUDA GPU"):
+        placement(device="cuda")
+
+
+def test_half_precision_on_the_cpu_warns_once(caplog, monkeypatch):
+    monkeypatch.setattr(placement_module, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+        assert placement(dtype="bfloat16", device="cpu").torch_dtype == torch.bfloat16
+        placement(dtype="bfloat16", device="cpu")
+    assert sum("slow" in r.message for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="unknown dtype"):
+        placement(dtype="int4")
+
+
+def test_tokenizer_dir(tmp_path):
+    assert tokenizer_dir("same_as_base", tmp_path) == tmp_path
+    assert tokenizer_dir(str(tmp_path / "tok"), "/base") == tmp_path / "tok"
+
+
+def test_loaded_models_follow_the_placement(tmp_path):
+    """The loop's loader honours the dtype (bfloat16 on the CPU here: honoured, with the warning)."""
+    from realmodel import build_real_model
+
+    from pipeline.decoding import SamplingConfig, generate, load_model
+
+    path = build_real_model(tmp_path / "m")
+    model, tok = load_model(path, where=placement(dtype="bfloat16", device="cpu"))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    (texts,) = generate(model, tok, [prompt], SamplingConfig(temperature=0.0, max_new_tokens=4))
+    assert isinstance(texts[0], str)

@@ -1,0 +1,151 @@
+"""Task sources: task files, the demo generator, third-party generators by entry point, and their splits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import RatchetError
+from pipeline.tasksource import FileTasks, draw, generator_source, parse_items
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def items(n: int) -> list[dict]:
+    return [
+        {"messages": [{"role": "user", "content": f"question {i}"}], "metadata": {"expected": str(i)}}
+        for i in range(n)
+    ]
+
+
+def test_file_tasks_split_by_prompt_hash():
+    source = FileTasks(items(200), validation_share=0.1)
+    train, validation = source.splits["train"], source.splits["validation"]
+    assert len(train) + len(validation) == 200 and 8 <= len(validation) <= 35
+    prompts = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    assert not prompts(train) & prompts(validation)
+    assert prompts(
+        FileTasks(list(reversed(items(200))), validation_share=0.1).splits["validation"]
+    ) == prompts(validation)  # a function of the item, not of its position
+    drawn = source.items("train", 500, seed=3)
+    assert len(drawn) == 500 and prompts(drawn) == prompts(train)  # every train item, in passes
+    assert source.items("train", 500, seed=3) == drawn and source.items("train", 500, seed=4) != drawn
+    val = source.items("validation", 1000, seed=0)
+    assert len(val) == len(validation) and all(v["metadata"]["split"] == "validation" for v in val)
+    with pytest.raises(ValueError, match="not 'heldout'"):
+        source.items("heldout", 3, seed=0)
+
+
+def test_parse_items_names_every_bad_line():
+    text = "\n".join(
+        [
+            json.dumps(items(1)[0]),
+            "{not json",
+            json.dumps({"messages": []}),
+            json.dumps({"messages": [{"role": "system", "content": "x"}]}),
+            json.dumps(
+                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+            ),
+        ]
+    )
+    with pytest.raises(RatchetError) as info:
+        parse_items(text, where="tasks.jsonl")
+    message = str(info.value)
+    assert "tasks.jsonl:2: not JSON" in message and "tasks.jsonl:3: expected an object" in message
+    assert "tasks.jsonl:4: the conversation has no user message" in message
+    assert "tasks.jsonl:5: a task item ends before the assistant's answer" in message
+    with pytest.raises(RatchetError, match="no task items"):
+        parse_items("\n", where="empty.jsonl")
+
+
+def test_demo_generator_splits_are_disjoint():
+    source = generator_source("demo", specialist="chat")
+    train = {i["metadata"]["task_id"] for i in source.items("train", 2000, 0)}
+    validation = {i["metadata"]["task_id"] for i in source.items("validation", 500, 0)}
+    heldout = {i["metadata"]["task_id"] for i in source.items("heldout", 300, 0)}
+    assert train and validation and heldout
+    assert not train & validation and not train & heldout and not validation & heldout
+    other = generator_source("demo", specialist="helper", options={"family": "agent"})
+    assert other.items("train", 1, 0)[0]["metadata"]["task"] == "agent"
+    with pytest.raises(RatchetError, match="tasks generator demo has no family 'helper'"):
+        generator_source("demo", specialist="helper")
+    with pytest.raises(RatchetError, match="unknown task generator 'nope'.*ratchet.tasks"):
+        generator_source("nope", specialist="chat")
+    with pytest.raises(RatchetError, match="bad options"):
+        generator_source("demo", specialist="chat", options={"colour": "red"})
+
+
+def test_third_party_generator_by_entry_point(tmp_path, monkeypatch):
+    """A package that registers ``ratchet.tasks = mytasks`` is found and used like the built-in one."""
+    pkg = tmp_path / "mytasks_pkg.py"
+    pkg.write_text(
+        "class Tasks:\n"
+        "    def __init__(self, word):\n        self.word = word\n"
+        "    def items(self, split, n, seed):\n"
+        "        return [{'messages': [{'role': 'user', 'content': f'{self.word} {split} {seed} {i}'}],\n"
+        "                 'metadata': {'expected': self.word}} for i in range(n)]\n"
+        "def make(*, specialist, word='hello'):\n    return Tasks(word)\n"
+    )
+    dist = tmp_path / "mytasks_pkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mytasks-pkg\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ratchet.tasks]\nmytasks = mytasks_pkg:make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = generator_source("mytasks", specialist="support", options={"word": "hi"})
+    got, left_out = draw(source, "heldout", 2, 7)
+    assert left_out == 0 and [g["messages"][0]["content"] for g in got] == [
+        "hi heldout 7 0",
+        "hi heldout 7 1",
+    ]
+    assert all(g["metadata"]["split"] == "heldout" for g in got)  # whatever the generator says
+    sys.modules.pop("mytasks_pkg", None)
+
+
+def test_draw_leaves_out_what_the_heldout_predicate_matches():
+    from pipeline.heldout import HeldoutIndex
+
+    index = HeldoutIndex.build([("suite #0", "question 3")], ngram=8, threshold=0.5)
+    got, left_out = draw(FileTasks(items(10), validation_share=0.01), "train", 10, 0, heldout=index)
+    assert left_out >= 1 and all(g["messages"][0]["content"] != "question 3" for g in got)
+
+
+def test_init_refuses_task_files_with_heldout_prompts(tmp_path, monkeypatch):
+    """A task item that contains a held-out prompt would be practised on: registration stops, named."""
+    from pipeline.lineage import require_clean_tasks
+
+    suite = tmp_path / "heldout.jsonl"
+    suite.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "what is the capital of spain"}]}) + "\n"
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": c}], "metadata": {"expected": "x"}}) + "\n"
+            for c in ["capital of peru?", "Tell me: WHAT is the capital of  Spain", "capital of chile?"]
+        )
+    )
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    contract = tmp_path / "c.yaml"
+    contract.write_text(
+        f"""name: t
+version: "1"
+protocol: {{context_budget: {{max_tokens: 512}}}}
+default_specialist: answer
+specialists:
+  answer:
+    tasks: {{path: tasks.jsonl, sha256: "{digest(tasks)}"}}
+    scorers: [{{kind: exact_match}}]
+heldout:
+  - {{specialist: answer, path: heldout.jsonl, sha256: "{digest(suite)}"}}
+"""
+    )
+    from pipeline.contract import load_contract
+
+    with pytest.raises(
+        RatchetError, match=r"specialists.answer.tasks: train item \d+ contains held-out prompt"
+    ):
+        require_clean_tasks(load_contract(contract), contract_path=contract)

@@ -1,0 +1,54 @@
+"""One reader of tool calls for the loop and the server: tagged JSON blocks, JSON content, compact text."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.toolcalls import answered_trace, assistant_message, split_tool_calls
+
+NAMES = ["set_timer", "add_item"]
+
+
+def test_tagged_blocks_after_prose():
+    text = (
+        'Sure.\n<tool_call>\n{"name": "set_timer", "arguments": {"minutes": 5}}\n</tool_call>\n'
+        '<tool_call>{"name": "add_item", "arguments": "{\\"name\\": \\"egg\\", \\"qty\\": 2}"}</tool_call>'
+    )
+    content, calls = split_tool_calls(text, NAMES, "openai")
+    assert content == "Sure."
+    assert calls == [
+        {"name": "set_timer", "arguments": {"minutes": 5}},
+        {"name": "add_item", "arguments": {"name": "egg", "qty": 2}},
+    ]
+
+
+def test_what_is_not_a_call_stays_text():
+    for text in (
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not an offered tool
+        '<tool_call>{"name": "set_timer", "arguments": {}}</tool_call> and then some prose',
+        "<tool_call>not json</tool_call>",
+        "set a timer for 5 minutes",
+    ):
+        assert split_tool_calls(text, NAMES, "openai") == (text, None), text
+    assert split_tool_calls("set_timer(minutes=5)", [], "compact") == ("set_timer(minutes=5)", None)
+
+
+def test_assistant_message_and_answered_trace():
+    msg = assistant_message("set_timer(minutes=5)", NAMES, "compact", seed_text="t")
+    assert msg["content"] is None and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {
+        "minutes": 5
+    }
+    assert assistant_message("set_timer(minutes=5)", NAMES, "compact", seed_text="t") == msg  # stable ids
+    assert assistant_message("hello", NAMES, "openai") == {"role": "assistant", "content": "hello"}
+    item = {
+        "messages": [{"role": "user", "content": "timer 5"}],
+        "metadata": {"tools": [{"type": "function", "function": {"name": "set_timer"}}]},
+    }
+    trace = answered_trace(item, '{"name": "set_timer", "arguments": {"minutes": 5}}', fmt="json")
+    assert trace["messages"][-1]["tool_calls"][0]["function"]["name"] == "set_timer"
+    assert answered_trace({**item, "metadata": {}}, "set_timer(minutes=5)", fmt="compact")["messages"][
+        -1
+    ] == {
+        "role": "assistant",
+        "content": "set_timer(minutes=5)",
+    }  # no tool offered: text
