@@ -79,6 +79,11 @@ def parse_items(text: str, *, where: str) -> list[dict[str, Any]]:
         if not isinstance(item.get("metadata", {}), dict):
             problems.append(f"{where}:{number}: `metadata` must be an object")
             continue
+        if (item.get("metadata") or {}).get("split") == "heldout":
+            problems.append(
+                f"{where}:{number}: marked held-out (metadata.split); it belongs in a held-out suite"
+            )
+            continue
         items.append({"messages": messages, "metadata": dict(item.get("metadata") or {}), "feedback": None})
     if problems:
         raise RatchetError(

@@ -50,6 +50,7 @@ def test_parse_items_names_every_bad_line():
             json.dumps(
                 {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
             ),
+            json.dumps({"messages": [{"role": "user", "content": "q"}], "metadata": {"split": "heldout"}}),
         ]
     )
     with pytest.raises(RatchetError) as info:
@@ -58,6 +59,7 @@ def test_parse_items_names_every_bad_line():
     assert "tasks.jsonl:2: not JSON" in message and "tasks.jsonl:3: expected an object" in message
     assert "tasks.jsonl:4: the conversation has no user message" in message
     assert "tasks.jsonl:5: a task item ends before the assistant's answer" in message
+    assert "tasks.jsonl:6: marked held-out" in message
     with pytest.raises(RatchetError, match="no task items"):
         parse_items("\n", where="empty.jsonl")
 
