@@ -149,8 +149,13 @@ def _decode_batch(
     cache_kw = _cache_keyword(model)
     step_ids, step_pos = input_ids, positions
     for _ in range(config.max_new_tokens):
-        result = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True, **{cache_kw: past}
+        result = model(  # logits of the last position only: the prefill skips the vocabulary matmul
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=step_pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kw: past},
         )
         past = getattr(result, cache_kw)
         # picked on the CPU (the seeded generator lives there; a no-op copy on a CPU run)

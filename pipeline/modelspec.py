@@ -136,7 +136,8 @@ class ModelSpec(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Weights dtype in collection, training, evaluation and serving. `auto`: bfloat16 on a GPU "
-        "that supports it, float32 on the CPU (half precision on the CPU is honoured, with a warning: slow).",
+        "that supports it, float32 on the CPU. bfloat16 on a CPU with AVX512-BF16 or AMX is fast (serving); "
+        "half precision on a CPU without native support is honoured, with a warning: slow.",
     )
     specialists: dict[Name, SpecialistModel] = Field(min_length=1, description="One adapter per specialist.")
 

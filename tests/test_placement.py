@@ -23,11 +23,26 @@ def test_auto_is_float32_on_the_cpu_and_cuda_is_refused_without_a_gpu():
 def test_half_precision_on_the_cpu_warns_once(caplog, monkeypatch):
     monkeypatch.setattr(placement_module, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
-        assert placement(dtype="bfloat16", device="cpu").torch_dtype == torch.bfloat16
-        placement(dtype="bfloat16", device="cpu")
+        assert placement(dtype="float16", device="cpu").torch_dtype == torch.float16
+        placement(dtype="float16", device="cpu")
     assert sum("slow" in r.message for r in caplog.records) == 1
     with pytest.raises(ValueError, match="unknown dtype"):
         placement(dtype="int4")
+
+
+def test_bfloat16_warns_only_without_native_support(caplog, monkeypatch):
+    monkeypatch.setattr(placement_module, "_WARNED", set())
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+        placement(dtype="bfloat16", device="cpu")
+    assert any("slow" in r.message for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(placement_module, "_WARNED", set())
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+        placement(dtype="bfloat16", device="cpu")
+    assert not caplog.records
 
 
 def test_tokenizer_dir(tmp_path):

@@ -379,6 +379,7 @@ def _decode(
             position_ids=step_pos,
             cache=past,
             use_cache=True,
+            logits_to_keep=1,  # only the last position is decoded from: prefill skips the vocabulary matmul
             **rt._adapter_kwargs([names[i] for i in active]),
         )
         past = out.cache
