@@ -104,10 +104,9 @@ def validation_items(
     """Up to ``n`` task items (the conversation before its answer, with the trace's metadata for the scorers)
     from ``specialist``'s verified experience in the validation slice, one per prompt, lowest prompt hash
     first (the same items every generation while the experience lasts)."""
-    share = contract.selection.validation_share
     chosen: dict[str, dict[str, Any]] = {}
-    for cand, messages, _score in eligible_examples(candidates, contract):
-        if cand.specialist != specialist or not in_validation_slice(messages, share):
+    for cand, messages, _score in eligible_examples(candidates, contract, validation=True):
+        if cand.specialist != specialist:
             continue
         last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
         key = prompt_key(messages)
@@ -323,17 +322,25 @@ def lineage_candidates(
 
 
 def eligible_examples(
-    candidates: list[Candidate], contract: ContractSpec
+    candidates: list[Candidate], contract: ContractSpec, *, validation: bool = False
 ) -> list[tuple[Candidate, list[dict[str, Any]], float]]:
     """(candidate, conversation, score) of every candidate that may be learned from as it is, or through an
-    accepted correction: what co-design and the router learn from (curation adds dedup and caps)."""
+    accepted correction: what co-design's exemplars and the router learn from (curation adds dedup and
+    caps). The validation slice of specialists without a task source is left out (``validation=True``:
+    only that slice, what co-design validates on)."""
+    share = contract.selection.validation_share
+    sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
     out = []
     for cand in candidates:
         corrected = accepted_correction(cand, contract)
         if corrected is not None and cand.correction:
-            out.append((cand, corrected, float(cand.correction["total"])))
+            found = (cand, corrected, float(cand.correction["total"]))
         elif cand.verified and cand.score is not None and cand.score >= contract.selection.min_score:
-            out.append((cand, cand.messages, float(cand.score)))
+            found = (cand, cand.messages, float(cand.score))
+        else:
+            continue
+        if (cand.specialist in sliced and in_validation_slice(found[1], share)) == validation:
+            out.append(found)
     return out
 
 

@@ -56,18 +56,21 @@ def require_clean_exemplars(
 
 def require_clean_tasks(contract: ContractSpec, *, contract_path: Path) -> dict[str, int]:
     """Build every specialist's task source (an unknown generator, bad options or a malformed task file stop
-    here) and refuse task items that contain a held-out prompt: the model would practise on them. Returns
-    the number of train and validation items drawn per specialist for the check."""
+    here) and refuse task items that contain a held-out prompt: the model would practise on them. Every item
+    of a task file is checked; a generator is checked on 200 items per split. Returns the number of items
+    checked per specialist."""
     from pipeline.contract import file_reader
     from pipeline.heldout import heldout_index
-    from pipeline.tasksource import task_sources
+    from pipeline.tasksource import FileTasks, task_sources
 
     index = heldout_index(contract, contract_path=contract_path)
     counts = {}
     for name, source in task_sources(contract, read=file_reader(contract, contract_path)).items():
         seen = 0
         for split in ("train", "validation"):
-            for i, item in enumerate(source.items(split, 200, 0)):
+            # a file is checked whole; a generator on a sample (collection checks every item it draws)
+            drawn = source.splits[split] if isinstance(source, FileTasks) else source.items(split, 200, 0)
+            for i, item in enumerate(drawn):
                 found = index.exclusion(messages=item.get("messages") or [], metadata=item.get("metadata"))
                 if found:
                     raise RatchetError(

@@ -174,3 +174,23 @@ def test_saved_dataset_is_hashed(tmp_path):
     saved = load_from_disk(str(tmp_path / "ds")).to_list()
     assert n == 1 and digest == dataset_sha256(saved) and len(digest) == 64
     assert saved[0]["experience_id"] == 1 and saved[0]["messages"][1]["content"] == "yo"
+
+
+def test_validation_slice_of_a_specialist_without_tasks_is_never_learned_from():
+    """Without a task source, a fixed slice of verified experience validates co-design: it is in no
+    dataset, no exemplar pool and no router data, and it is the same slice whatever the order."""
+    from pipeline.curation import eligible_examples, in_validation_slice, validation_items
+
+    chat = CONTRACT.specialists["chat"].model_copy(update={"tasks": None})
+    contract = CONTRACT.model_copy(update={"specialists": {**CONTRACT.specialists, "chat": chat}})
+    cands = [_cand(i, f"question number {i}", f"answer {i}", 1.0) for i in range(200)]
+    sliced = {c.experience_id for c in cands if in_validation_slice(c.messages, 0.1)}
+    assert 5 <= len(sliced) <= 40
+    kept = set(_ids(select_examples(cands, contract=contract, heldout=HELDOUT, specialists=["chat"])))
+    assert kept == {c.experience_id for c in cands} - sliced
+    assert not {c.experience_id for c, _, _ in eligible_examples(cands, contract)} & sliced
+    items = validation_items(list(reversed(cands)), contract, "chat", 1000)
+    assert {it["messages"][-1]["content"] for it in items} == {f"question number {i}" for i in sliced}
+    assert all(m["role"] != "assistant" for it in items for m in it["messages"])
+    # with a task source the specialist has its own validation split: all its experience may be learned
+    assert len(_ids(select_examples(cands, contract=CONTRACT, heldout=HELDOUT, specialists=["chat"]))) == 200

@@ -127,7 +127,11 @@ def test_init_refuses_task_files_with_heldout_prompts(tmp_path, monkeypatch):
     tasks.write_text(
         "".join(
             json.dumps({"messages": [{"role": "user", "content": c}], "metadata": {"expected": "x"}}) + "\n"
-            for c in ["capital of peru?", "Tell me: WHAT is the capital of  Spain", "capital of chile?"]
+            # the held-out prompt hides after 300 harmless items: a sampled check would miss it
+            for c in [
+                *(f"capital of country {i}?" for i in range(300)),
+                "Tell me: WHAT is the capital of  Spain",
+            ]
         )
     )
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
