@@ -368,14 +368,14 @@ def curate_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """One SFT dataset per specialist from all eligible experience of the lineage (accumulated)."""
-    from sqlalchemy import delete
+    from sqlalchemy import delete, insert
 
     from pipeline.candidate import artifacts_for, contract_of, load_generation, mark_step
     from pipeline.harness import HarnessSpec
     from pipeline.heldout import heldout_index
     from pipeline.pair import offered_tools
     from pipeline.prompting import render_messages
-    from pipeline.registry import TrainingDataset, get_engine, session_scope
+    from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -404,15 +404,23 @@ def curate_step(
                 ex["messages"] = [*render_messages(harness, specialist, context), answer]
                 ex["tools"] = ex.get("tools") or offered
             digest, rows = save_dataset(examples, out_dir / specialist)
-            session.add(
-                TrainingDataset(
-                    generation_id=generation_id,
-                    specialist=specialist,
-                    path=str(out_dir / specialist),
-                    sha256=digest,
-                    num_rows=rows,
-                )
+            dataset = TrainingDataset(
+                generation_id=generation_id,
+                specialist=specialist,
+                path=str(out_dir / specialist),
+                sha256=digest,
+                num_rows=rows,
             )
+            session.add(dataset)
+            session.flush()
+            traces = sorted(
+                {int(ex["experience_id"]) for ex in examples if ex.get("experience_id") is not None}
+            )
+            if traces:  # provenance: which traces this dataset (and so its adapter) learned from
+                session.execute(
+                    insert(DatasetExample),
+                    [{"dataset_id": dataset.id, "experience_id": e} for e in traces],
+                )
             datasets[specialist] = {"rows": rows, "sha256": digest, "path": str(out_dir / specialist)}
         outcome = {"datasets": datasets, "dropped": dropped.counts}
         mark_step(session, load_generation(session, generation_id), "curate", outcome)

@@ -103,19 +103,31 @@ def score_pair(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Greedy answers of the pair on the items, each trace's total under the contract (unscorable = 0)."""
+    answered = answer_and_score(pair, items, contract, progress=progress)
+    return {s: [value for value, _ in results] for s, results in answered.items()}
+
+
+def answer_and_score(
+    pair: PairSpec,
+    items: dict[str, list[dict[str, Any]]],
+    contract: ContractSpec,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[tuple[float, dict[str, Any]]]]:
+    """``score_pair`` with each item's answer kept: per specialist, (total, the answering message)."""
     from pipeline.clock import CLOCK
     from pipeline.pair import answer_items
     from pipeline.scoring import score_trace
 
     answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[tuple[float, dict[str, Any]]]] = {}
     with CLOCK.measure("score"):
         for specialist, traces in answered.items():
-            values = []
+            results = []
             for (trace,) in traces:
                 result = score_trace(contract, trace, harness=pair.harness, specialist=specialist)
-                values.append(float(result.total or 0.0))
-            out[specialist] = values
+                results.append((float(result.total or 0.0), trace["messages"][-1]))
+            out[specialist] = results
     return out
 
 
@@ -162,8 +174,10 @@ def evaluate_step(
     if not suites:
         raise RatchetError("the contract declares no held-out suites: nothing to evaluate a candidate on")
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)
-    champ_scores = score_pair(champion, suites, contract, progress=report("champion"))
-    cand_scores = score_pair(candidate, suites, contract, progress=report("candidate"))
+    champ_answers = answer_and_score(champion, suites, contract, progress=report("champion"))
+    cand_answers = answer_and_score(candidate, suites, contract, progress=report("candidate"))
+    champ_scores = {s: [v for v, _ in r] for s, r in champ_answers.items()}
+    cand_scores = {s: [v for v, _ in r] for s, r in cand_answers.items()}
     comparison = compare_scores(champ_scores, cand_scores)
     classifier = fit_router(candidate.harness, contract, candidates) if candidates is not None else None
     evaluation = {
@@ -186,6 +200,7 @@ def evaluate_step(
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         gen.evaluation = evaluation
+        store_items(session, generation_id, suites, champ_answers, cand_answers)
         if classifier is not None:
             gen.state = {**(gen.state or {}), "router_classifier": classifier.to_dict()}
         parent = load_generation(session, gen.parent_id)
@@ -207,6 +222,38 @@ def evaluate_step(
             },
         )
     return evaluation
+
+
+def store_items(
+    session: Session,
+    generation_id: int,
+    suites: dict[str, list[dict[str, Any]]],
+    parent: dict[str, list[tuple[float, dict[str, Any]]]],
+    candidate: dict[str, list[tuple[float, dict[str, Any]]]],
+) -> None:
+    """Keep every held-out item with both answers and scores (replacing an earlier, crashed attempt's)."""
+    from sqlalchemy import delete, insert
+
+    from pipeline.registry import EvaluationItem
+
+    session.execute(delete(EvaluationItem).where(EvaluationItem.generation_id == generation_id))
+    rows = [
+        {
+            "generation_id": generation_id,
+            "specialist": s,
+            "position": i,
+            "messages": item["messages"],
+            "parent_answer": parent[s][i][1],
+            "candidate_answer": candidate[s][i][1],
+            "parent_value": parent[s][i][0],
+            "candidate_value": candidate[s][i][0],
+        }
+        for s in sorted(suites)
+        for i, item in enumerate(suites[s])
+        if i < len(parent.get(s, ())) and i < len(candidate.get(s, ()))
+    ]
+    if rows:
+        session.execute(insert(EvaluationItem), rows)
 
 
 def _classifier(data: dict[str, Any] | None) -> TokenClassifier | None:

@@ -26,6 +26,7 @@ from pipeline.candidate import AdvanceConfig, Progress, load_generation, mark_st
 if TYPE_CHECKING:
     from pipeline.contract import PromotionGates, RoutingSuite
     from pipeline.evaluation import Comparison
+    from pipeline.registry import Generation
     from pipeline.tracking import Tracker
 
 
@@ -142,7 +143,12 @@ def decide_step(
             promote, decision = verdict.promote, verdict.decision
             gen.evaluation = {
                 **evaluation,
-                "verdict": {"promote": promote, "rate": verdict.rate, "lower": verdict.lower},
+                "verdict": {
+                    "promote": promote,
+                    "rate": verdict.rate,
+                    "lower": verdict.lower,
+                    "reasons": verdict.reasons,
+                },
             }
         else:
             promote, decision = False, "reject: not evaluated"
@@ -171,3 +177,18 @@ def decide_step(
             "overall": evaluation.get("overall"),
             "parent_overall": evaluation.get("parent_overall"),
         }
+
+
+def move_champion_aliases(gen: Generation, lineage: str, tracker: Tracker | None) -> None:
+    """Point each specialist's MLflow ``champion`` alias at ``gen``'s adapter (or remove it): after a manual
+    promotion or a rollback, inside the registry's transaction, so a failure here undoes both."""
+    from pipeline.tracking import registered_model_name
+
+    if tracker is None:
+        return
+    for slot in gen.adapters:
+        name = registered_model_name(lineage, slot.specialist)
+        if slot.adapter is not None and slot.adapter.mlflow_model_version:
+            tracker.set_alias(name, "champion", slot.adapter.mlflow_model_version)
+        else:
+            tracker.delete_alias(name, "champion")

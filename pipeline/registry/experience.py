@@ -15,9 +15,10 @@ from pipeline.errors import NotFoundError, RatchetError
 from pipeline.registry.models import Experience, Quarantine, UTCDateTime, sqlite_timestamp, utcnow
 from pipeline.registry.versions import audit
 
-# The experience table seen as plain text columns: bulk ingest passes JSON it has already serialised,
-# so SQLAlchemy does no per-value work beyond what the driver does.
-_raw = Table(
+# The experience table seen as plain text columns: bulk ingest passes JSON it has already serialised, and
+# the dashboard's list pages filter and parse the JSON text themselves, so SQLAlchemy does no per-value work
+# beyond what the driver does.
+RAW_EXPERIENCE = _raw = Table(
     "experience",
     MetaData(),
     Column("id", Integer, primary_key=True),

@@ -248,9 +248,17 @@ class GenerationAdapter(Base):
 
 
 class Experience(Base):
-    """One trace: a conversation in OpenAI chat format with its per-turn routing and feedback."""
+    """One trace: a conversation in OpenAI chat format with its per-turn routing and feedback.
+
+    The composite indexes serve the dashboard's keyset pages (newest first within a filter) on PostgreSQL,
+    where a single-column index does not carry the row order; SQLite's already end in the rowid."""
 
     __tablename__ = "experience"
+    __table_args__ = (
+        Index("ix_experience_specialist_id", "specialist", "id"),
+        Index("ix_experience_source_id", "source", "id"),
+        Index("ix_experience_generation_id_id", "generation_id", "id"),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     content_hash: Mapped[str] = mapped_column(String(64), unique=True)
     completion_id: Mapped[str | None] = mapped_column(String(100), unique=True)
@@ -264,6 +272,8 @@ class Experience(Base):
     harness_version_id: Mapped[int | None] = mapped_column(ForeignKey("harness_versions.id"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
 
+    harness_version: Mapped[HarnessVersion | None] = relationship()
+
 
 class Score(Base):
     """One scorer's value for one trace under one contract version (the ``total`` row: the trace's).
@@ -272,7 +282,11 @@ class Score(Base):
     may be learned from); NULL for rows scored before that was recorded. ``specialist``: the trace's."""
 
     __tablename__ = "scores"
-    __table_args__ = (UniqueConstraint("experience_id", "contract_version_id", "scorer"),)
+    __table_args__ = (
+        UniqueConstraint("experience_id", "contract_version_id", "scorer"),
+        # experience pages filtered by score or verification walk this one newest first
+        Index("ix_scores_contract_scorer_experience", "contract_version_id", "scorer", "experience_id"),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     experience_id: Mapped[int] = mapped_column(ForeignKey("experience.id", ondelete="CASCADE"))
     contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"), index=True)
@@ -336,6 +350,35 @@ class TrainingDataset(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     num_rows: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DatasetExample(Base):
+    """Which trace went into which training dataset: provenance in both directions (an adapter's traces,
+    a trace's adapters) without opening the dataset files."""
+
+    __tablename__ = "dataset_examples"
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"), primary_key=True)
+    experience_id: Mapped[int] = mapped_column(
+        ForeignKey("experience.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+
+
+class EvaluationItem(Base):
+    """One held-out item of a candidate's evaluation: the item's conversation and both pairs' answers and
+    scores, from the same run (what the dashboard's item-level comparison shows). Never read by curation,
+    collection or co-design: these rows are held-out material."""
+
+    __tablename__ = "evaluation_items"
+    __table_args__ = (UniqueConstraint("generation_id", "specialist", "position"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    generation_id: Mapped[int] = mapped_column(ForeignKey("generations.id", ondelete="CASCADE"))
+    specialist: Mapped[str] = mapped_column(String(100))
+    position: Mapped[int] = mapped_column(Integer)
+    messages: Mapped[list] = mapped_column(JSONText)
+    parent_answer: Mapped[dict | None] = mapped_column(JSONText)
+    candidate_answer: Mapped[dict | None] = mapped_column(JSONText)
+    parent_value: Mapped[float] = mapped_column(Float)
+    candidate_value: Mapped[float] = mapped_column(Float)
 
 
 class AuditLog(Base):

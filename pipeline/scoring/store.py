@@ -194,9 +194,12 @@ def score_experience(
     return result
 
 
-def rescore_experience(*, session: Session, experience_ids: list[int], reason: str) -> list[ScoreRunResult]:
+def rescore_experience(
+    *, session: Session, experience_ids: list[int], reason: str, also_under: int | None = None
+) -> list[ScoreRunResult]:
     """Score these traces again under every contract version that has scored them (e.g. feedback arrived
-    after scoring); the replaced rows stay in ``score_history`` with ``reason``."""
+    after scoring), and under contract version ``also_under`` if given; the replaced rows stay in
+    ``score_history`` with ``reason``."""
     from sqlalchemy import select
 
     from pipeline.registry.models import Experience, Score
@@ -207,6 +210,8 @@ def rescore_experience(*, session: Session, experience_ids: list[int], reason: s
         .distinct()
         .order_by(Score.contract_version_id)
     ).all()
+    if also_under is not None and also_under not in versions:
+        versions = sorted([*versions, also_under])
     rows = session.execute(
         select(*(getattr(Experience, c) for c in _COLUMNS)).where(Experience.id.in_(experience_ids))
     ).all()

@@ -78,6 +78,12 @@ class TrainResult:
     seconds: float
     run_id: str | None = None
     completed: bool = True
+    # (step, loss) at most ``LOSS_POINTS`` times over the run (the registry keeps it for the dashboard;
+    # MLflow has every step); a resumed job's curve starts where it resumed
+    loss_curve: tuple[tuple[int, float], ...] = ()
+
+
+LOSS_POINTS = 200
 
 
 def git_describe(cwd: Path | None = None) -> str:
@@ -256,6 +262,8 @@ def train_lora(
                 }
             )
         tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
+        curve: list[tuple[int, float]] = []
+        every = max(1, -(-total // LOSS_POINTS))
         while step < total:
             batch = [examples[i] for i in batch_indices(len(examples), config.batch_size, step, config.seed)]
             tensors = {k: v.to(where.device) for k, v in packed_tensors(batch, max_len, pad_id).items()}
@@ -268,6 +276,8 @@ def train_lora(
             step += 1
             tokens += sum(len(e[0]) for e in batch)
             loss_value = float(loss.detach())
+            if step % every == 0 or step == total:
+                curve.append((step, round(loss_value, 5)))
             if tracker:
                 tracker.log_metric("train_loss", loss_value, step=step)
             if progress is not None:
@@ -278,7 +288,7 @@ def train_lora(
             if interrupted:
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
-                                   len(examples), seconds, run_id, completed=False)  # fmt: skip
+                                   len(examples), seconds, run_id, completed=False, loss_curve=tuple(curve))  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -311,7 +321,7 @@ def train_lora(
     shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, base, optim
     return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
-                       len(examples), seconds, run_id)  # fmt: skip
+                       len(examples), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
 
 
 def _checkpoint(

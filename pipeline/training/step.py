@@ -127,6 +127,8 @@ def train_step(
                     "final_loss": result.final_loss,
                     "steps": result.steps,
                     "tokens_per_s": result.tokens_per_second,
+                    "loss_curve": [list(point) for point in result.loss_curve],
+                    "mlflow_experiment_id": getattr(tracker, "experiment_id", None),
                 },
             )
             adapter.mlflow_model_version = version

@@ -23,6 +23,8 @@ TABLES = {
     "stored_files",
     "quarantine",
     "datasets",
+    "dataset_examples",
+    "evaluation_items",
     "audit_log",
 }
 
@@ -109,7 +111,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0004" in capsys.readouterr().out
+    assert "revision 0005" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
