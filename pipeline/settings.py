@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     api_key: str | None = Field(
         default=None, description="When set, `ratchet serve` requires this bearer key."
     )
+    admin_token: str | None = Field(
+        default=None,
+        description="When set, `ratchet dashboard` allows actions (promote, rollback, re-score) to whoever "
+        "presents it (bearer token, or the login form's session cookie); unset, the dashboard is read-only.",
+    )
     engine_api_key: str | None = Field(
         default=None,
         description="Bearer key sent to an external OpenAI-compatible engine (`--engine external`).",

@@ -228,6 +228,7 @@ def promote_cmd(
     reason: Annotated[str, typer.Option(help="Why (kept in the audit log).")] = "manual override",
 ) -> None:
     """Make GENERATION the champion by hand (audited); refused when it makes no sense."""
+    from pipeline.promotion import move_champion_aliases
     from pipeline.registry import get_engine, get_generation, promote_generation, session_scope
 
     with session_scope(get_engine()) as session:
@@ -238,31 +239,19 @@ def promote_cmd(
                 "finish it first"
             )
         promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor="cli")
-        _move_aliases(session, gen, lineage)
+        move_champion_aliases(gen, lineage, make_tracker())
     typer.echo(f"generation {generation} is now the champion of {lineage!r}")
-
-
-def _move_aliases(session: Any, gen: Any, lineage: str) -> None:
-    """Point each specialist's MLflow `champion` alias at this generation's adapter (or remove it)."""
-    from pipeline.tracking import registered_model_name
-
-    tracker = make_tracker()
-    for slot in gen.adapters:
-        name = registered_model_name(lineage, slot.specialist)
-        if slot.adapter is not None and slot.adapter.mlflow_model_version:
-            tracker.set_alias(name, "champion", slot.adapter.mlflow_model_version)
-        else:
-            tracker.delete_alias(name, "champion")
 
 
 @app.command("rollback")
 def rollback_cmd(lineage: LineageOpt = "main") -> None:
     """Retire the champion and restore its parent (audited)."""
+    from pipeline.promotion import move_champion_aliases
     from pipeline.registry import get_engine, rollback_champion, session_scope
 
     with session_scope(get_engine()) as session:
         restored = rollback_champion(session=session, lineage=lineage, actor="cli")
-        _move_aliases(session, restored, lineage)
+        move_champion_aliases(restored, lineage, make_tracker())
         number = restored.number
     typer.echo(f"rolled back: generation {number} is the champion of {lineage!r} again")
 
@@ -309,4 +298,7 @@ def demo_cmd(
     typer.echo(f"  mlflow ui --backend-store-uri {settings.tracking_uri}   # runs, loss curves, adapters")
     typer.echo(
         "  ratchet serve                                # the champion behind an OpenAI-compatible API"
+    )
+    typer.echo(
+        "  ratchet dashboard                            # the lineage and why it moved: http://127.0.0.1:8100/"
     )

@@ -1,0 +1,10 @@
+"""The registry dashboard (``ratchet dashboard``): the lineage, each generation's evidence, held-out items,
+provenance, trends, experience and records, as server-rendered pages and a JSON API.
+
+``lineage``, ``comparison``, ``provenance``, ``experience`` and ``records`` compute what is shown; ``charts`` draws it; ``security`` decides
+who may act; ``actions`` acts; ``app`` serves it all.
+"""
+
+from pipeline.dashboard.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,214 @@
+"""The dashboard's actions: sign in and out, promote a generation, roll the champion back, re-score a trace.
+
+Each action is allowed by ``security.Access.require`` (bearer token, or session cookie plus CSRF token and
+a same-origin check) and changes the registry through its data functions, which write the audit log with
+the dashboard as the actor. Pages post forms and are redirected back (303); the API answers JSON.
+"""
+
+import asyncio
+from collections.abc import Callable
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import FastAPI, Form, Header, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from sqlalchemy.orm import sessionmaker
+
+from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access
+from pipeline.errors import ConflictError
+from pipeline.settings import Settings
+
+__all__ = ["action_routes", "promote", "rescore", "rollback"]
+
+
+def promote(
+    *, factory: sessionmaker, settings: Settings, lineage: str, number: int, actor: str, reason: str
+) -> dict[str, Any]:
+    """Make generation ``number`` the champion (refused while it is being built); MLflow aliases follow."""
+    from pipeline.promotion import move_champion_aliases
+    from pipeline.registry import get_generation, promote_generation
+    from pipeline.tracking import MLflowTracker
+
+    with factory.begin() as session:
+        gen = get_generation(session=session, number=number, lineage=lineage)
+        if gen.status in ("candidate", "training", "evaluating"):
+            raise ConflictError(
+                f"generation {number} is still being built ({gen.status}): let `ratchet advance` finish it"
+            )
+        promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor=actor)
+        move_champion_aliases(gen, lineage, MLflowTracker.from_settings(settings))
+        return {"champion": gen.number, "lineage": lineage}
+
+
+def rollback(*, factory: sessionmaker, settings: Settings, lineage: str, actor: str) -> dict[str, Any]:
+    """Retire the champion and restore its parent; MLflow aliases follow."""
+    from pipeline.promotion import move_champion_aliases
+    from pipeline.registry import rollback_champion
+    from pipeline.tracking import MLflowTracker
+
+    with factory.begin() as session:
+        restored = rollback_champion(session=session, lineage=lineage, actor=actor)
+        move_champion_aliases(restored, lineage, MLflowTracker.from_settings(settings))
+        return {"champion": restored.number, "lineage": lineage}
+
+
+def rescore(*, factory: sessionmaker, lineage: str, experience_id: int, actor: str) -> dict[str, Any]:
+    """Score one trace again under every contract version that scored it and the champion's."""
+    from pipeline.errors import NotFoundError
+    from pipeline.registry import Experience, audit, get_champion
+    from pipeline.scoring import rescore_experience
+
+    with factory() as session:  # scoring commits as it goes (its batches); the audit entry follows it
+        if session.get(Experience, experience_id) is None:
+            raise NotFoundError(f"no trace {experience_id}")
+        champion = get_champion(session=session, lineage=lineage)
+        results = rescore_experience(
+            session=session,
+            experience_ids=[experience_id],
+            reason=f"re-scored from the dashboard by {actor}",
+            also_under=champion.contract_version_id if champion else None,
+        )
+        audit(
+            session=session,
+            actor=actor,
+            entity="experience",
+            entity_id=experience_id,
+            action="rescore",
+            details={"contract_versions": [r.contract_version_id for r in results]},
+        )
+        session.commit()
+        return {"experience_id": experience_id, "contract_versions": [r.contract_version_id for r in results]}
+
+
+def action_routes(
+    app: FastAPI,
+    *,
+    factory: sessionmaker,
+    access: Access,
+    settings: Settings,
+    render: Callable[..., HTMLResponse],
+    lineage_name: str,
+) -> None:
+    """Add the login form and the actions (page forms and API) to ``app``."""
+
+    def actor(request: Request, authorization: str | None, csrf: str | None) -> str:
+        own = f"{request.url.scheme}://{request.url.netloc}"
+        return access.require(
+            authorization=authorization,
+            cookie=request.cookies.get(COOKIE),
+            csrf=csrf or request.headers.get("x-csrf-token"),
+            origin=request.headers.get("origin"),
+            own_origin=own,
+        )
+
+    Auth = Annotated[str | None, Header(description="`Bearer <RATCHET_ADMIN_TOKEN>`")]
+    Csrf = Annotated[str | None, Form(max_length=200)]
+    Lineage = Annotated[str, Form(max_length=100)]
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    def login_page(request: Request) -> HTMLResponse:
+        return render(request, "login.html", {"error": None})
+
+    @app.post("/login", response_class=HTMLResponse, include_in_schema=False)
+    async def login(request: Request, token: Annotated[str, Form(max_length=500)]) -> Response:
+        if not access.enabled:
+            return render(
+                request,
+                "login.html",
+                {"error": "actions are disabled: RATCHET_ADMIN_TOKEN is not set"},
+                status=403,
+            )
+        if not access.token_matches(token):
+            await asyncio.sleep(0.5)  # a wrong guess costs time
+            return render(request, "login.html", {"error": "wrong token"}, status=401)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(
+            COOKIE,
+            access.new_session(),
+            max_age=SESSION_SECONDS,
+            secure=True,
+            httponly=True,
+            samesite="strict",
+            path="/",
+        )
+        return response
+
+    @app.post("/logout", include_in_schema=False)
+    def logout() -> Response:
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(COOKIE, path="/", secure=True, httponly=True, samesite="strict")
+        return response
+
+    def back(path: str, lineage: str) -> RedirectResponse:
+        """Back to a page of this app (``path`` is ours; the lineage from the form is only a query value)."""
+        return RedirectResponse(f"{path}?lineage={quote(lineage, safe='')}", status_code=303)
+
+    @app.post("/generations/{number}/promote", include_in_schema=False)
+    def promote_form(
+        request: Request, number: int, csrf: Csrf = None, lineage: Lineage = lineage_name,
+        reason: Annotated[str, Form(max_length=500)] = "promoted from the dashboard", authorization: Auth = None,
+    ) -> Response:  # fmt: skip
+        promote(
+            factory=factory,
+            settings=settings,
+            lineage=lineage,
+            number=number,
+            actor=actor(request, authorization, csrf),
+            reason=reason,
+        )
+        return back(f"/generations/{number}", lineage)
+
+    @app.post("/rollback", include_in_schema=False)
+    def rollback_form(
+        request: Request, csrf: Csrf = None, lineage: Lineage = lineage_name, authorization: Auth = None
+    ) -> Response:
+        rollback(
+            factory=factory, settings=settings, lineage=lineage, actor=actor(request, authorization, csrf)
+        )
+        return back("/", lineage)
+
+    @app.post("/experience/{experience_id}/rescore", include_in_schema=False)
+    def rescore_form(
+        request: Request,
+        experience_id: int,
+        csrf: Csrf = None,
+        lineage: Lineage = lineage_name,
+        authorization: Auth = None,
+    ) -> Response:
+        rescore(
+            factory=factory,
+            lineage=lineage,
+            experience_id=experience_id,
+            actor=actor(request, authorization, csrf),
+        )
+        return back(f"/experience/{experience_id}", lineage)
+
+    @app.post("/api/generations/{number}/promote", tags=["actions"])
+    def promote_api(request: Request, number: int, lineage: str = lineage_name, reason: str = "promoted through the API",
+                    authorization: Auth = None) -> JSONResponse:  # fmt: skip
+        """Make a generation the champion (admin token; audited)."""
+        who = actor(request, authorization, None)
+        return JSONResponse(
+            promote(
+                factory=factory, settings=settings, lineage=lineage, number=number, actor=who, reason=reason
+            )
+        )
+
+    @app.post("/api/rollback", tags=["actions"])
+    def rollback_api(
+        request: Request, lineage: str = lineage_name, authorization: Auth = None
+    ) -> JSONResponse:
+        """Retire the champion and restore its parent (admin token; audited)."""
+        return JSONResponse(
+            rollback(
+                factory=factory, settings=settings, lineage=lineage, actor=actor(request, authorization, None)
+            )
+        )
+
+    @app.post("/api/experience/{experience_id}/rescore", tags=["actions"])
+    def rescore_api(
+        request: Request, experience_id: int, lineage: str = lineage_name, authorization: Auth = None
+    ) -> JSONResponse:
+        """Score one trace again under its contract versions and the champion's (admin token; audited)."""
+        who = actor(request, authorization, None)
+        return JSONResponse(rescore(factory=factory, lineage=lineage, experience_id=experience_id, actor=who))

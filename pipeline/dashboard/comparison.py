@@ -1,0 +1,121 @@
+"""What the dashboard shows of a candidate's held-out evaluation item by item: each item's change against
+the parent (newly solved, newly failed, better, worse, unchanged), and one item's answers side by side."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from pipeline.dashboard.lineage import get_generation_row
+from pipeline.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.registry import Generation
+
+__all__ = ["CHANGES", "held_out_item", "item_comparison"]
+
+CHANGES = ("newly solved", "newly failed", "better", "worse", "unchanged")
+
+
+def _change(parent: float, candidate: float, solved: float) -> str:
+    if parent < solved <= candidate:
+        return "newly solved"
+    if candidate < solved <= parent:
+        return "newly failed"
+    if candidate > parent:
+        return "better"
+    if candidate < parent:
+        return "worse"
+    return "unchanged"
+
+
+def item_comparison(
+    *, session: Session, lineage: str, number: int, specialist: str | None = None, change: str | None = None
+) -> dict[str, Any]:
+    """The candidate against its parent item by item on the held-out suites: newly solved (total at or
+    above the contract's ``selection.min_score``), newly failed, better, worse, unchanged."""
+    from pipeline.contract import stored_contract
+    from pipeline.registry import EvaluationItem
+
+    gen = get_generation_row(session, lineage, number)
+    solved = stored_contract(gen.contract_version.spec).selection.min_score
+    query = select(
+        EvaluationItem.specialist,
+        EvaluationItem.position,
+        EvaluationItem.parent_value,
+        EvaluationItem.candidate_value,
+        EvaluationItem.messages,
+    ).where(EvaluationItem.generation_id == gen.id)
+    if specialist:
+        query = query.where(EvaluationItem.specialist == specialist)
+    counts: dict[str, dict[str, int]] = {}
+    items = []
+    for s, pos, pv, cv, messages in session.execute(
+        query.order_by(EvaluationItem.specialist, EvaluationItem.position)
+    ):
+        kind = _change(pv, cv, solved)
+        counts.setdefault(s, dict.fromkeys(CHANGES, 0))[kind] += 1
+        if change and kind != change:
+            continue
+        prompt = next(
+            (str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), ""
+        )
+        items.append(
+            {
+                "specialist": s,
+                "position": pos,
+                "parent": pv,
+                "candidate": cv,
+                "change": kind,
+                "prompt": prompt[:240],
+            }
+        )
+    return {
+        "lineage": lineage,
+        "number": gen.number,
+        "parent": None if gen.parent_id is None else _parent_number(session, gen),
+        "solved_at": solved,
+        "counts": counts,
+        "rows": items,
+        "filters": {"specialist": specialist, "change": change},
+    }
+
+
+def _parent_number(session: Session, gen: Generation) -> int | None:
+    from pipeline.registry import Generation
+
+    parent = session.get(Generation, gen.parent_id)
+    return parent.number if parent else None
+
+
+def held_out_item(
+    *, session: Session, lineage: str, number: int, specialist: str, position: int
+) -> dict[str, Any]:
+    """One held-out item with the parent's and the candidate's answers side by side."""
+    from pipeline.registry import EvaluationItem
+
+    gen = get_generation_row(session, lineage, number)
+    row = session.scalar(
+        select(EvaluationItem).where(
+            EvaluationItem.generation_id == gen.id,
+            EvaluationItem.specialist == specialist,
+            EvaluationItem.position == position,
+        )
+    )
+    if row is None:
+        raise NotFoundError(f"generation {number} has no held-out item {specialist}/{position}")
+    return {
+        "lineage": lineage,
+        "number": gen.number,
+        "parent": _parent_number(session, gen),
+        "specialist": specialist,
+        "position": position,
+        "messages": row.messages,
+        "parent_answer": row.parent_answer,
+        "candidate_answer": row.candidate_answer,
+        "parent_value": row.parent_value,
+        "candidate_value": row.candidate_value,
+    }

@@ -1,0 +1,312 @@
+"""What the dashboard shows of a lineage: its tree, a generation's evidence, held-out items, trends, adapters.
+
+Keyword-only data functions over a session; each returns plain JSON-ready data, which the JSON API returns
+as is and the pages render. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from pipeline.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from pipeline.registry import Generation
+
+__all__ = ["generation_detail", "lineage_names", "lineage_overview", "split_reasons", "trends"]
+
+
+def lineage_names(*, session: Session) -> list[str]:
+    from pipeline.registry import Generation
+
+    return list(session.scalars(select(Generation.lineage).distinct().order_by(Generation.lineage)))
+
+
+def _generations(session: Session, lineage: str) -> list[Generation]:
+    from pipeline.registry import Generation, GenerationAdapter
+
+    return list(
+        session.scalars(
+            select(Generation)
+            .where(Generation.lineage == lineage)
+            .options(
+                selectinload(Generation.adapters).selectinload(GenerationAdapter.adapter),
+                selectinload(Generation.harness_version),
+                selectinload(Generation.contract_version),
+            )
+            .order_by(Generation.number)
+        )
+    )
+
+
+def _method(gen: Generation, parent_harness_id: int | None) -> str:
+    """How the generation was built, in a few words: its new adapters' training method, and whether
+    co-design changed the harness."""
+    steps = (gen.state or {}).get("steps") or {}
+    if gen.parent_id is None:
+        return "base"
+    methods = sorted({str((a.adapter.metrics or {}).get("method", "sft")) for a in gen.adapters if a.adapter})
+    trained = (steps.get("train") or {}).get("adapters") or {}
+    label = "+".join(methods) if trained else "no new adapters"
+    if parent_harness_id is not None and gen.harness_version_id != parent_harness_id:
+        label += " + harness"
+    return label
+
+
+def lineage_overview(*, session: Session, lineage: str) -> dict[str, Any]:
+    """Every generation of ``lineage`` as a node (status, overall held-out score, method), the champion,
+    and the held-out score of generation 0 and of the champion (the improvement at a glance)."""
+    gens = _generations(session, lineage)
+    if not gens:
+        raise NotFoundError(f"lineage {lineage!r} has no generations: run `ratchet init`")
+    numbers = {g.id: g.number for g in gens}
+    harness_of = {g.id: g.harness_version_id for g in gens}
+    nodes = []
+    for g in gens:
+        ev = g.evaluation or {}
+        nodes.append(
+            {
+                "number": g.number,
+                "parent": numbers.get(g.parent_id),
+                "status": g.status,
+                "overall": ev.get("overall"),
+                "parent_overall": ev.get("parent_overall"),
+                "attempt": ev.get("attempt"),
+                "method": _method(g, harness_of.get(g.parent_id)),
+                "champion": g.status == "promoted",
+                "harness": f"{g.harness_version.name} {g.harness_version.version}",
+                "contract": f"{g.contract_version.name} {g.contract_version.version}",
+                "decision": g.decision,
+                "created_at": g.created_at.isoformat(),
+            }
+        )
+    champion = next((n for n in nodes if n["champion"]), None)
+    first = nodes[0]
+    return {
+        "lineage": lineage,
+        "generations": nodes,
+        "champion": champion["number"] if champion else None,
+        "first_overall": first["overall"],
+        "champion_overall": champion["overall"] if champion else None,
+        "promotions": sum(1 for g in gens if g.parent_id is not None and g.status in ("promoted", "retired")),
+        "rejections": sum(1 for g in gens if g.status == "rejected"),
+    }
+
+
+def get_generation_row(session: Session, lineage: str, number: int) -> Generation:
+    from pipeline.registry import get_generation
+
+    return get_generation(session=session, number=number, lineage=lineage)
+
+
+def _t(q: float, df: float) -> float:
+    from scipy.stats import norm, t
+
+    return float(norm.ppf(q) if math.isinf(df) or df <= 0 else t.ppf(q, df))
+
+
+def mlflow_run_link(tracking_uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
+    """The MLflow UI's page of a run, when the tracking URI is a server (a local store has no UI to link)."""
+    if not run_id or not tracking_uri or not tracking_uri.startswith(("http://", "https://")):
+        return None
+    base = tracking_uri.rstrip("/")
+    return (
+        f"{base}/#/experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"{base}/#/runs/{run_id}"
+    )
+
+
+def generation_detail(
+    *, session: Session, lineage: str, number: int, tracking_uri: str | None = None
+) -> dict[str, Any]:
+    """Everything behind one generation's decision: versions, adapters (MLflow run, dataset, loss curve),
+    held-out scores against the parent per specialist with deltas and intervals, the gate's verdict,
+    router accuracy and confusion, and what curation kept and dropped."""
+    from pipeline.contract import stored_contract
+    from pipeline.registry import Generation, TrainingDataset
+
+    gen = get_generation_row(session, lineage, number)
+    parent = session.get(Generation, gen.parent_id) if gen.parent_id else None
+    ev = gen.evaluation or {}
+    steps = (gen.state or {}).get("steps") or {}
+    contract = stored_contract(gen.contract_version.spec)
+    gates = contract.promotion
+    datasets = {
+        d.specialist: d
+        for d in session.scalars(select(TrainingDataset).where(TrainingDataset.generation_id == gen.id))
+    }
+    trained = set(((steps.get("train") or {}).get("adapters") or {}).keys())
+    adapters = []
+    for slot in gen.adapters:
+        a = slot.adapter
+        ds = datasets.get(slot.specialist)
+        metrics = (a.metrics or {}) if a else {}
+        adapters.append(
+            {
+                "specialist": slot.specialist,
+                "adapter_id": a.id if a else None,
+                "version": a.version if a else None,
+                "new": slot.specialist in trained,
+                "rank": a.rank if a else None,
+                "sha256": a.sha256 if a else None,
+                "method": metrics.get("method", "sft") if a else None,
+                "mlflow_run_id": a.mlflow_run_id if a else None,
+                "mlflow_link": mlflow_run_link(
+                    tracking_uri, metrics.get("mlflow_experiment_id"), a.mlflow_run_id if a else None
+                ),
+                "final_loss": metrics.get("final_loss"),
+                "steps": metrics.get("steps"),
+                "loss_curve": metrics.get("loss_curve") or [],
+                "dataset": {"id": ds.id, "sha256": ds.sha256, "rows": ds.num_rows} if ds else None,
+            }
+        )
+    comparison = ev.get("comparison") or {}
+    z95 = 1.959963984540054
+    specialists = []
+    for s, c in sorted((comparison.get("specialists") or {}).items()):
+        n = int(c["n"])
+        half = _t(0.975, n - 1) * c["se"] if n > 1 else z95 * c["se"]
+        floor = c["delta"] - _t(1 - gates.regression_error_rate, max(1, n - 1)) * c["se"]
+        specialists.append(
+            {
+                "specialist": s,
+                "n": n,
+                "parent": c["champion"],
+                "candidate": c["candidate"],
+                "delta": c["delta"],
+                "se": c["se"],
+                "interval": [c["delta"] - half, c["delta"] + half],
+                "floor": floor,
+                "tolerance": gates.tolerance(s),
+                "passes_tolerance": floor > -gates.tolerance(s),
+            }
+        )
+    verdict = ev.get("verdict") or {}
+    curate = steps.get("curate") or {}
+    kept = {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()}
+    dropped = curate.get("dropped") or {}
+    reasons = sorted({r for per in dropped.values() for r in per})
+    return {
+        "lineage": lineage,
+        "number": gen.number,
+        "status": gen.status,
+        "step": gen.step,
+        "parent": parent.number if parent else None,
+        "harness": {
+            "id": gen.harness_version_id,
+            "name": gen.harness_version.name,
+            "version": gen.harness_version.version,
+        },
+        "contract": {
+            "id": gen.contract_version_id,
+            "name": gen.contract_version.name,
+            "version": gen.contract_version.version,
+        },
+        "base_model": gen.base_model.name,
+        "created_at": gen.created_at.isoformat(),
+        "method": _method(gen, parent.harness_version_id if parent else None),
+        "adapters": adapters,
+        "heldout": {
+            "specialists": specialists,
+            "overall": ev.get("overall"),
+            "parent_overall": ev.get("parent_overall"),
+            "delta": comparison.get("delta"),
+            "se": comparison.get("se"),
+            "attempt": ev.get("attempt"),
+        },
+        "verdict": {
+            "decision": gen.decision,
+            "promote": verdict.get("promote"),
+            "rate": verdict.get("rate"),
+            "lower": verdict.get("lower"),
+            "min_improvement": gates.min_improvement,
+            "false_promotion_rate": gates.false_promotion_rate,
+            "reasons": verdict.get("reasons") or split_reasons(gen.decision),
+        },
+        "router": ev.get("router"),
+        "parent_router": ev.get("parent_router"),
+        "curation": {
+            "kept": kept,
+            "dropped": dropped,
+            "reasons": reasons,
+            "skipped": {
+                s: d["skipped"] for s, d in (curate.get("datasets") or {}).items() if d.get("skipped")
+            },
+        },
+        "collection": {
+            k: v for k, v in (steps.get("collect") or {}).items() if not isinstance(v, dict | list)
+        },
+    }
+
+
+def split_reasons(decision: str | None) -> list[str]:
+    """The reasons of a decision written before they were stored apart: ``"reject: a (x; y); b"`` ->
+    ``["a (x; y)", "b"]`` (a semicolon inside parentheses belongs to its reason)."""
+    if not decision:
+        return []
+    text = decision.split(": ", 1)[1] if decision.startswith(("promote: ", "reject: ")) else decision
+    out, depth, current = [], 0, []
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ";" and depth == 0:
+            out.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    out.append("".join(current).strip())
+    return [r for r in out if r]
+
+
+def _mean_interval(values: list[float]) -> tuple[float, float, float] | None:
+    import numpy as np
+
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64)
+    half = 1.959963984540054 * (float(a.std(ddof=1)) / math.sqrt(len(a))) if len(a) > 1 else 0.0
+    mean = float(a.mean())
+    return mean, mean - half, mean + half
+
+
+def trends(*, session: Session, lineage: str) -> dict[str, Any]:
+    """Held-out score per specialist over generations with 95% intervals (from the stored item scores),
+    and router accuracy, for every evaluated generation; generation 0 from its first evaluation."""
+    gens = _generations(session, lineage)
+    scores: dict[str, list[dict[str, Any]]] = {}
+    router: list[dict[str, Any]] = []
+    first_parent_done = False
+    for g in gens:
+        ev = g.evaluation or {}
+        items = ev.get("items") or {}
+        if items and not first_parent_done:  # the parent of the first evaluated candidate: generation 0
+            first_parent_done = True
+            parent_number = next((p.number for p in gens if p.id == g.parent_id), None)
+            if parent_number is not None:
+                for s, v in items.items():
+                    m = _mean_interval(v["parent"])
+                    if m:
+                        scores.setdefault(s, []).append(
+                            {
+                                "generation": parent_number,
+                                "score": m[0],
+                                "low": m[1],
+                                "high": m[2],
+                                "status": "base",
+                            }
+                        )
+                if ev.get("parent_router"):
+                    router.append({"generation": parent_number, "accuracy": ev["parent_router"]["accuracy"]})
+        for s, v in items.items():
+            m = _mean_interval(v["candidate"])
+            if m:
+                scores.setdefault(s, []).append(
+                    {"generation": g.number, "score": m[0], "low": m[1], "high": m[2], "status": g.status}
+                )
+        if ev.get("router") and items:
+            router.append({"generation": g.number, "accuracy": ev["router"]["accuracy"], "status": g.status})
+    return {"lineage": lineage, "scores": scores, "router": router}

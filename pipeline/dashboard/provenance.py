@@ -1,0 +1,101 @@
+"""What the dashboard shows of an adapter's provenance: the dataset it was trained on and the traces in it
+(keyset pages), its parent, the generations that use it. The other direction, a trace's adapters, is in
+``experience.trace_detail``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from pipeline.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+__all__ = ["adapter_detail"]
+
+
+def adapter_detail(
+    *, session: Session, adapter_id: int, before: int | None = None, limit: int = 50
+) -> dict[str, Any]:
+    """An adapter's provenance: its dataset (sha256, rows) and the traces in it (keyset pages, newest
+    first), its parent adapter, the generations that use it, and its self-describing files."""
+    from pipeline.registry import (
+        Adapter,
+        DatasetExample,
+        Experience,
+        Generation,
+        GenerationAdapter,
+        TrainingDataset,
+    )
+
+    a = session.get(Adapter, adapter_id)
+    if a is None:
+        raise NotFoundError(f"no adapter {adapter_id}")
+    uses = session.execute(
+        select(Generation.lineage, Generation.number, Generation.status, Generation.id)
+        .join(GenerationAdapter, GenerationAdapter.generation_id == Generation.id)
+        .where(GenerationAdapter.adapter_id == a.id)
+        .order_by(Generation.number)
+    ).all()
+    dataset = None
+    if a.dataset_sha256:
+        ids = [u.id for u in uses]
+        dataset = session.scalar(
+            select(TrainingDataset)
+            .where(
+                TrainingDataset.sha256 == a.dataset_sha256,
+                TrainingDataset.specialist == a.specialist,
+                TrainingDataset.generation_id.in_(ids) if ids else True,
+            )
+            .order_by(TrainingDataset.generation_id)
+            .limit(1)
+        )
+    traces: list[dict[str, Any]] = []
+    next_before = None
+    if dataset is not None:
+        q = (
+            select(Experience.id, Experience.source, Experience.specialist, Experience.created_at)
+            .join(DatasetExample, DatasetExample.experience_id == Experience.id)
+            .where(DatasetExample.dataset_id == dataset.id)
+        )
+        if before is not None:
+            q = q.where(Experience.id < before)
+        rows = session.execute(q.order_by(Experience.id.desc()).limit(limit + 1)).all()
+        traces = [
+            {
+                "id": r.id,
+                "source": r.source,
+                "specialist": r.specialist,
+                "created_at": r.created_at.isoformat(),
+            }
+            for r in rows[:limit]
+        ]
+        next_before = rows[limit - 1].id if len(rows) > limit else None
+    metrics = a.metrics or {}
+    return {
+        "id": a.id,
+        "specialist": a.specialist,
+        "version": a.version,
+        "rank": a.rank,
+        "alpha": a.alpha,
+        "target_modules": a.target_modules,
+        "sha256": a.sha256,
+        "method": metrics.get("method", "sft"),
+        "metrics": {k: v for k, v in metrics.items() if k != "loss_curve"},
+        "loss_curve": metrics.get("loss_curve") or [],
+        "mlflow_run_id": a.mlflow_run_id,
+        "mlflow_model_version": a.mlflow_model_version,
+        "parent_adapter_id": a.parent_adapter_id,
+        "artifact_uri": a.artifact_uri,
+        "created_at": a.created_at.isoformat(),
+        "used_by": [{"lineage": u.lineage, "number": u.number, "status": u.status} for u in uses],
+        "dataset": (
+            {"id": dataset.id, "sha256": dataset.sha256, "rows": dataset.num_rows, "path": dataset.path}
+            if dataset
+            else None
+        ),
+        "traces": traces,
+        "next_before": next_before,
+    }

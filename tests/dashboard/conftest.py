@@ -1,0 +1,142 @@
+"""A registry the dashboard tests read: the demo contract on the small base, two real advancement cycles,
+conversations served by the real server (two turns, a tool call, hostile text), and a quarantined line.
+Built once per session; a test that acts (promote, rollback, re-score) works on a copy (``acting_home``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pipeline.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+# served (the tiny model's window is 64 characters) and ingested: text a browser would run if it were markup
+SERVED_HOSTILE = "<script>window.__pwned=1</script>"
+HOSTILE = '<img src=x onerror="window.__pwned = 2"><a href="javascript:window.__pwned=3">open</a>'
+
+
+def _served(url: str) -> list[str]:
+    """Conversations through the real Mixture-of-LoRA server; returns their completion ids."""
+    from serving.support import ServerThread
+
+    from pipeline.serving.served import ServeConfig
+    from pipeline.serving.server import create_app
+
+    config = ServeConfig(registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05)
+    ids = []
+    with ServerThread(create_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+
+        def ask(messages: list[dict], **extra) -> dict:
+            body = {"model": "ratchet", "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+            reply = client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, (messages, reply.text)
+            ids.append(reply.json()["id"])
+            return reply.json()["choices"][0]["message"]
+
+        first = [{"role": "user", "content": "12+35=?"}]
+        answer = ask(first)
+        ask(
+            [
+                *first,
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": "f adds 1 2"},
+            ]
+        )
+        ask([{"role": "user", "content": SERVED_HOSTILE}])
+    return ids
+
+
+@pytest.fixture(scope="session")
+def dashboard_home(tmp_path_factory, small_base) -> Path:
+    from conftest import ingest_corrections, write_specs
+
+    from pipeline.advance import advance_once
+    from pipeline.candidate import AdvanceConfig
+    from pipeline.cli.advance import make_tracker
+    from pipeline.experience import ingest_file
+    from pipeline.lineage import init_lineage
+    from pipeline.registry import dispose_engines, get_champion, get_engine, session_scope
+    from pipeline.scoring import score_experience
+    from pipeline.settings import get_settings
+
+    root = tmp_path_factory.mktemp("dashboard")
+    home = root / "home"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RATCHET_HOME", str(home))
+        for name in ("RATCHET_DATABASE_URL", "MLFLOW_TRACKING_URI", "RATCHET_ADMIN_TOKEN"):
+            mp.delenv(name, raising=False)
+        get_settings.cache_clear()
+        specs = write_specs(root, small_base)
+        model = yaml.safe_load(specs["model"].read_text())
+        for spec in model["specialists"].values():  # enough steps that candidates differ from their parent
+            spec["training"] = {"epochs": 30, "batch_size": 4, "lr": 0.003}
+        specs["model"].write_text(yaml.safe_dump(model))
+        init_lineage(
+            contract_path=specs["contract"],
+            harness_path=ROOT / "harnesses" / "demo.yaml",
+            model_path=specs["model"],
+        )
+        ingest_corrections(root / "feedback.jsonl")
+        fast = AdvanceConfig(
+            prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, validation_items=6, seed=1
+        )
+        for _ in range(2):
+            advance_once(config=fast, tracker=make_tracker())
+        _served(get_settings().registry_url)
+        with session_scope(
+            get_engine()
+        ) as session:  # the served traces get their scores, as `ratchet score` does
+            champion = get_champion(session=session)
+            score_experience(session=session, contract_version_id=champion.contract_version_id)
+        hostile = {"messages": [{"role": "user", "content": HOSTILE}, {"role": "assistant", "content": HOSTILE}],
+                   "metadata": {"specialist": "genui", "note": SERVED_HOSTILE}}  # fmt: skip
+        (root / "hostile.jsonl").write_text(json.dumps(hostile) + "\n")
+        ingest_file(
+            root / "hostile.jsonl", session_factory=lambda: session_scope(get_engine()), source="import"
+        )
+        bad = root / "bad.jsonl"
+        bad.write_text(
+            '{"messages": "<script>window.__pwned = 4</script>"\n' + json.dumps({"messages": []}) + "\n"
+        )
+        engine = get_engine()
+        ingest_file(bad, session_factory=lambda: session_scope(engine), source="import")
+        dispose_engines()
+        get_settings.cache_clear()
+    return home
+
+
+@pytest.fixture
+def read_settings(dashboard_home) -> Settings:
+    return Settings(home=dashboard_home)
+
+
+@pytest.fixture
+def acting_home(dashboard_home, tmp_path) -> Path:
+    copy = tmp_path / "acting"
+    shutil.copytree(dashboard_home, copy)
+    return copy
+
+
+def served_trace_ids(settings: Settings) -> dict[str, int]:
+    """The served traces by kind: the two-turn conversation and the hostile one."""
+    from sqlalchemy import select
+
+    from pipeline.registry import Experience, get_engine, session_scope
+
+    with session_scope(get_engine(settings.registry_url)) as s:
+        rows = s.execute(select(Experience.id, Experience.messages).where(Experience.source == "deployment",
+                                                                          Experience.completion_id.is_not(None))).all()  # fmt: skip
+    out = {}
+    with session_scope(get_engine(settings.registry_url)) as s:
+        out["ingested_hostile"] = s.scalar(select(Experience.id).where(Experience.source == "import"))
+    for i, messages in rows:
+        if "window.__pwned" in messages[0]["content"]:
+            out["hostile"] = i
+        elif len(messages) > 2:
+            out["two_turns"] = i
+    return out

@@ -1,0 +1,403 @@
+"""The dashboard's pages and JSON API over a registry built by real advancement cycles and real serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from dashboard.conftest import served_trace_ids
+from pipeline.dashboard import create_app
+from pipeline.registry import (
+    Adapter,
+    AuditLog,
+    Experience,
+    Generation,
+    Score,
+    TrainingDataset,
+    get_engine,
+    session_scope,
+)
+from pipeline.settings import Settings
+
+
+@pytest.fixture
+def client(read_settings):
+    with TestClient(create_app(read_settings), base_url="https://testserver") as c:
+        yield c
+
+
+def _rows(settings, stmt):
+    with session_scope(get_engine(settings.registry_url)) as s:
+        return s.execute(stmt).all()
+
+
+def test_lineage_page_and_api_show_every_generation(client, read_settings):
+    data = client.get("/api/lineage").json()
+    gens = {g["number"]: g for g in data["generations"]}
+    stored = dict(_rows(read_settings, select(Generation.number, Generation.status)))
+    assert {n: g["status"] for n, g in gens.items()} == stored and len(stored) == 3
+    assert data["champion"] == 0 and gens[0]["champion"] and gens[1]["parent"] == 0
+    assert gens[1]["overall"] is not None and gens[1]["method"].startswith("sft")
+    page = client.get("/")
+    assert page.status_code == 200 and "<svg" in page.text
+    for n in gens:  # every node of the tree links to its generation page
+        assert f'href="/generations/{n}"' in page.text
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+
+
+def test_generation_detail_has_the_decision_evidence(client, read_settings):
+    data = client.get("/api/generations/1").json()
+    with session_scope(get_engine(read_settings.registry_url)) as s:
+        gen = s.scalar(select(Generation).where(Generation.number == 1))
+        ev, decision = gen.evaluation, gen.decision
+        datasets = {
+            d.specialist: d.num_rows
+            for d in s.scalars(select(TrainingDataset).where(TrainingDataset.generation_id == gen.id))
+        }
+    held = {r["specialist"]: r for r in data["heldout"]["specialists"]}
+    assert set(held) == set(ev["comparison"]["specialists"]) == {"chat", "agent", "coding", "genui"}
+    for s, r in held.items():
+        stored = ev["comparison"]["specialists"][s]
+        assert r["delta"] == pytest.approx(stored["delta"]) and r["n"] == 20
+        assert r["interval"][0] <= r["delta"] <= r["interval"][1]
+    assert data["verdict"]["decision"] == decision and data["verdict"]["reasons"]
+    assert data["verdict"]["reasons"][0].startswith("overall ")  # a reason keeps its parenthesis whole
+    adapters = {a["specialist"]: a for a in data["adapters"]}
+    for s, rows in datasets.items():
+        a = adapters[s]
+        assert a["new"] and a["dataset"]["rows"] == rows and len(a["loss_curve"]) == a["steps"] > 1
+        assert all(step >= 1 and loss > 0 for step, loss in a["loss_curve"])
+    router = data["router"]
+    assert sum(sum(row.values()) for row in router["confusion"].values()) == router["total"]
+    kept = data["curation"]["kept"]
+    assert kept == datasets and "below threshold" in data["curation"]["reasons"]
+    page = client.get("/generations/1").text
+    assert "training loss" in page and "router confusion" in page and "non-inferiority" in page
+
+
+def test_item_comparison_matches_the_stored_evaluation(client, read_settings):
+    data = client.get("/api/generations/1/items").json()
+    (ev,) = _rows(read_settings, select(Generation.evaluation).where(Generation.number == 1))[0]
+    for s, counts in data["counts"].items():
+        assert sum(counts.values()) == 20
+        mine = [r for r in data["rows"] if r["specialist"] == s]
+        assert [r["candidate"] for r in mine] == pytest.approx(ev["items"][s]["candidate"], abs=1e-4)
+        assert [r["parent"] for r in mine] == pytest.approx(ev["items"][s]["parent"], abs=1e-4)
+    solved = data["solved_at"]
+    for r in data["rows"]:
+        if r["change"] == "newly solved":
+            assert r["parent"] < solved <= r["candidate"]
+        if r["change"] == "unchanged":
+            assert r["parent"] == r["candidate"]
+    changed = [r for r in data["rows"] if r["change"] != "unchanged"]
+    assert changed, "the fixture's candidates differ from their parent on some item"
+    first = changed[0]
+    only = client.get(f"/api/generations/1/items?change={first['change']}").json()["rows"]
+    assert only and all(r["change"] == first["change"] for r in only)
+    item = client.get(f"/api/generations/1/items/{first['specialist']}/{first['position']}").json()
+    assert item["parent_value"] == first["parent"] and item["candidate_answer"]["role"] == "assistant"
+    page = client.get(f"/generations/1/items/{first['specialist']}/{first['position']}").text
+    assert "Parent (generation 0)" in page and "Generation 1 ·" in page
+    assert client.get("/api/generations/1/items?change=sideways").status_code == 400
+
+
+def test_provenance_both_ways(client, read_settings):
+    import datasets
+
+    data = client.get("/api/generations/1").json()
+    adapter = next(a for a in data["adapters"] if a["new"])
+    (path,) = _rows(
+        read_settings, select(TrainingDataset.path).where(TrainingDataset.id == adapter["dataset"]["id"])
+    )[0]
+    in_file = set(datasets.load_from_disk(path)["experience_id"])
+    seen, before = [], None
+    while True:  # keyset pages over the adapter's traces
+        page = client.get(
+            f"/api/adapters/{adapter['adapter_id']}" + (f"?before={before}" if before else "")
+        ).json()
+        seen += [t["id"] for t in page["traces"]]
+        before = page["next_before"]
+        if before is None:
+            break
+    assert set(seen) == in_file and len(seen) == len(in_file) and seen == sorted(seen, reverse=True)
+    assert page["dataset"]["sha256"] == adapter["dataset"]["sha256"]
+    trace = client.get(f"/api/experience/{seen[0]}").json()
+    assert any(t["adapter_id"] == adapter["adapter_id"] and t["generation"] == 1 for t in trace["trained"])
+    lineage_json = client.get(f"/artifacts/{page['artifact_path']}/lineage.json")
+    assert lineage_json.status_code == 200 and lineage_json.headers["content-type"].startswith("text/plain")
+    assert json.loads(lineage_json.text)["dataset_sha256"] == adapter["dataset"]["sha256"]
+
+
+def test_trends_have_a_point_per_evaluated_generation(client):
+    data = client.get("/api/trends").json()
+    for points in data["scores"].values():
+        assert [p["generation"] for p in points] == [0, 1, 2]
+        assert all(p["low"] <= p["score"] <= p["high"] for p in points)
+    assert [p["generation"] for p in data["router"]] == [0, 1, 2]
+    assert client.get("/trends").text.count("<svg") == 2
+
+
+def test_experience_keyset_pages_cover_every_trace_once(client, read_settings):
+    ids = [r[0] for r in _rows(read_settings, select(Experience.id).order_by(Experience.id.desc()))]
+    seen, before = [], None
+    while True:
+        page = client.get(
+            "/api/experience", params={"limit": 97, **({"before": before} if before else {})}
+        ).json()
+        seen += [t["id"] for t in page["traces"]]
+        before = page["older"]
+        if before is None:
+            break
+    assert seen == ids
+    middle = client.get("/api/experience", params={"limit": 5, "before": ids[10]}).json()
+    newer = client.get("/api/experience", params={"limit": 5, "after": middle["newer"]}).json()
+    assert [t["id"] for t in newer["traces"]] == ids[6:11]
+
+
+@pytest.mark.parametrize(
+    "params, check",
+    [
+        ({"specialist": "chat"}, lambda t, row: t["specialist"] == "chat"),
+        ({"source": "deployment"}, lambda t, row: t["source"] == "deployment"),
+        ({"generation": 0}, lambda t, row: t["generation"] == 0),
+        ({"verified": "yes"}, lambda t, row: t["verified"] is True),
+        ({"verified": "unscored"}, lambda t, row: t["score"] is None),
+        ({"score_min": 0.5, "score_max": 1.0}, lambda t, row: 0.5 <= t["score"] <= 1.0),
+        ({"feedback": "correction"}, lambda t, row: "correction" in (row.feedback or {})),
+        ({"q": "f adds", "specialist": "coding"}, lambda t, row: "f adds" in json.dumps(row.messages)),
+    ],
+)
+def test_experience_filters(client, read_settings, params, check):
+    page = client.get("/api/experience", params={**params, "limit": 200}).json()
+    assert page["traces"], params
+    rows = {
+        r.id: r for r in _rows(read_settings, select(Experience.id, Experience.messages, Experience.feedback))
+    }
+    assert all(check(t, rows[t["id"]]) for t in page["traces"])
+    html = client.get("/experience", params=params)
+    assert html.status_code == 200 and f"#{page['traces'][0]['id']}" in html.text
+
+
+def test_trace_shows_routes_views_summaries_and_scores(client, read_settings):
+    ids = served_trace_ids(read_settings)
+    data = client.get(f"/api/experience/{ids['two_turns']}").json()
+    assistant = [t for t in data["turns"] if t["role"] == "assistant"]
+    assert len(assistant) == 2 and all(t["route"] and t["route"]["specialist"] for t in assistant)
+    assert assistant[-1]["route"]["reason"] and assistant[-1]["route"]["scores"]
+    assert all(t["summary"] for t in assistant)
+    view = assistant[-1]["view"]  # what the second turn's specialist answered from
+    assert isinstance(view, list) and view[-1] == {"role": "user", "content": "f adds 1 2"}
+    assert "total" in {r["scorer"] for rows in data["scores"].values() for r in rows}
+    page = client.get(f"/experience/{ids['two_turns']}").text
+    assert "routed to" in page and "hidden summary" in page and "signal scores" in page
+
+
+def test_hostile_text_is_shown_as_text(client, read_settings):
+    ids = served_trace_ids(read_settings)
+    page = client.get(f"/experience/{ids['hostile']}")
+    assert "<script>window.__pwned" not in page.text
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in page.text
+    ingested = client.get(f"/experience/{ids['ingested_hostile']}").text
+    assert (
+        "<img src=x" not in ingested
+        and 'href="javascript:' not in ingested
+        and "&lt;img src=x onerror=" in ingested
+    )
+    listing = client.get("/experience", params={"q": "pwned"}).text
+    assert "<img src=x" not in listing and "<script>window" not in listing
+    quarantine = client.get("/quarantine").text
+    assert "&lt;script&gt;window.__pwned = 4" in quarantine and "<script>window.__pwned" not in quarantine
+    assert "script-src" not in page.headers["content-security-policy"]  # default-src 'none': no script at all
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/artifacts/../../../../etc/passwd",
+        "/artifacts/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+        "/artifacts/%252e%252e/%252e%252e/etc/passwd",
+        "/artifacts/..%2f..%2f..%2fetc%2fpasswd",
+        "/artifacts//etc/passwd",
+        "/artifacts/%2fetc%2fpasswd",
+        "/artifacts/C:/Windows/win.ini",
+        "/artifacts/..%5c..%5cetc%5cpasswd",
+        "/artifacts/main/%00/passwd",
+        "/api/artifacts/../../../../etc/passwd",
+        "/api/artifacts/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+    ],
+)
+def test_no_path_leaves_the_artifact_store(client, path):
+    reply = client.get(path)
+    assert 400 <= reply.status_code < 500, (path, reply.status_code)
+    assert "root:" not in reply.text
+
+
+def test_a_link_out_of_the_store_is_refused(acting_home, tmp_path):
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"secret": true}')
+    (acting_home / "artifacts" / "leak.json").symlink_to(outside)
+    with TestClient(create_app(Settings(home=acting_home))) as c:
+        assert c.get("/artifacts/leak.json").status_code == 400
+        assert "leak.json" not in c.get("/api/artifacts/").text
+
+
+def test_unknown_records_are_404_and_bad_ids_422(client):
+    for path in (
+        "/generations/99",
+        "/experience/99999999",
+        "/adapters/99999",
+        "/contracts/999",
+        "/api/generations/99",
+    ):
+        assert client.get(path).status_code == 404, path
+    assert client.get("/api/generations/1?lineage=nope").status_code == 404
+    assert client.get("/api/generations/abc").status_code == 422
+    assert client.get("/api/experience", params={"limit": 100000}).status_code == 422
+
+
+def test_versions_and_side_by_side_diff(client):
+    harnesses = client.get("/api/harnesses").json()["versions"]
+    contracts = client.get("/api/contracts").json()["versions"]
+    assert contracts and harnesses
+    one = client.get(f"/api/contracts/{contracts[0]['id']}").json()
+    assert one["yaml"].startswith("name:") or "name:" in one["yaml"]
+    same = client.get("/api/contracts/diff", params={"a": contracts[0]["id"], "b": contracts[0]["id"]}).json()
+    assert same["changed_lines"] == 0 and all(r["op"] == "equal" for r in same["rows"])
+    if len(harnesses) > 1:  # co-design registered a variant: the diff shows what it changed
+        diff = client.get(
+            "/api/harnesses/diff", params={"a": harnesses[0]["id"], "b": harnesses[-1]["id"]}
+        ).json()
+        assert diff["changed_lines"] > 0
+    assert (
+        '<table class="diff"'
+        in client.get("/contracts/diff", params={"a": contracts[0]["id"], "b": contracts[0]["id"]}).text
+    )
+
+
+def test_openapi_lists_every_page_as_json(client):
+    schema = client.get("/api/openapi.json").json()
+    paths = set(schema["paths"])
+    for page in ("/lineage", "/generations/{number}", "/generations/{number}/items", "/trends", "/experience",
+                 "/experience/{experience_id}", "/adapters/{adapter_id}", "/contracts", "/harnesses/diff",
+                 "/quarantine", "/audit"):  # fmt: skip
+        assert "/api" + page in paths, page
+    assert {"/api/generations/{number}/promote", "/api/rollback"} <= paths
+    docs = client.get("/api/docs")
+    assert docs.status_code == 200 and "/api/experience" in docs.text and "cdn" not in docs.text.lower()
+
+
+def test_read_only_without_a_token(client, read_settings):
+    before = len(_rows(read_settings, select(AuditLog.id)))
+    reply = client.post("/api/generations/1/promote", headers={"Authorization": "Bearer anything"})
+    assert reply.status_code == 403 and "RATCHET_ADMIN_TOKEN" in reply.json()["detail"]
+    assert client.post("/rollback", data={"lineage": "main"}).status_code == 403
+    assert "actions disabled" in client.get("/").text
+    assert len(_rows(read_settings, select(AuditLog.id))) == before
+
+
+def _audit(settings, action):
+    return _rows(
+        settings,
+        select(AuditLog.actor, AuditLog.entity_id).where(AuditLog.action == action).order_by(AuditLog.id),
+    )
+
+
+def test_bearer_actions_are_allowed_and_audited(acting_home):
+    from mlflow import MlflowClient
+
+    settings = Settings(home=acting_home, admin_token="s3cret-token")
+    with TestClient(create_app(settings)) as c:
+        assert (
+            c.post("/api/generations/1/promote", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        )
+        ok = c.post("/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token"})
+        assert ok.status_code == 200 and ok.json()["champion"] == 1
+        assert c.get("/api/lineage").json()["champion"] == 1
+        assert _audit(settings, "promote")[-1][0] == "dashboard:bearer"
+        mlflow = MlflowClient(tracking_uri=settings.tracking_uri)
+        adapters = c.get("/api/generations/1").json()["adapters"]
+        for a in adapters:
+            if a["new"]:
+                version = mlflow.get_model_version_by_alias(
+                    f"ratchet-main-{a['specialist']}", "champion"
+                ).version
+                stored = _rows(
+                    settings, select(Adapter.mlflow_model_version).where(Adapter.id == a["adapter_id"])
+                )
+                assert str(version) == str(stored[0][0])
+        again = c.post("/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token"})
+        assert again.status_code == 409 and "already the champion" in again.json()["detail"]
+        back = c.post("/api/rollback", headers={"Authorization": "Bearer s3cret-token"})
+        assert back.status_code == 200 and back.json()["champion"] == 0
+        assert _audit(settings, "rollback")[-1][0] == "dashboard:bearer"
+
+
+def test_login_session_cookie_and_csrf(acting_home):
+    import re
+
+    settings = Settings(home=acting_home, admin_token="s3cret-token")
+    trace = served_trace_ids(settings)["two_turns"]
+    with TestClient(create_app(settings), base_url="https://testserver", follow_redirects=False) as c:
+        assert c.post("/login", data={"token": "nope"}).status_code == 401
+        login = c.post("/login", data={"token": "s3cret-token"})
+        assert login.status_code == 303
+        cookie = login.headers["set-cookie"].lower()
+        assert "secure" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+        page = c.get(f"/experience/{trace}").text
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page).group(1)
+        assert c.post(f"/experience/{trace}/rescore", data={}).status_code == 403  # no CSRF token
+        assert c.post(f"/experience/{trace}/rescore", data={"csrf": "0" * 64}).status_code == 403
+        forged = c.post(
+            f"/experience/{trace}/rescore", data={"csrf": csrf}, headers={"Origin": "https://evil.example"}
+        )
+        assert forged.status_code == 403 and "cross-site" in forged.text
+        history_before = len(_rows(settings, select(Score.id).where(Score.experience_id == trace)))
+        done = c.post(
+            f"/experience/{trace}/rescore", data={"csrf": csrf}, headers={"Origin": "https://testserver"}
+        )
+        assert done.status_code == 303 and done.headers["location"].startswith(f"/experience/{trace}")
+        assert _audit(settings, "rescore")[-1] == ("dashboard:session", trace)
+        assert len(_rows(settings, select(Score.id).where(Score.experience_id == trace))) == history_before
+        promote = c.post("/generations/2/promote", data={"csrf": csrf, "reason": "looks better"})
+        assert promote.status_code == 303 and c.get("/api/lineage").json()["champion"] == 2
+        c.post("/logout")
+        c.cookies.clear()
+        assert c.post("/rollback", data={"csrf": csrf}).status_code == 401
+
+
+def test_cli_dashboard_serves_the_registry(dashboard_home):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RATCHET_HOME": str(dashboard_home)}
+    env.pop("RATCHET_ADMIN_TOKEN", None)
+    exe = Path(sys.executable).parent / "ratchet"
+    proc = subprocess.Popen(
+        [str(exe), "dashboard", "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert "read-only" in proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{port}/api/lineage", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        assert reply.status_code == 200 and reply.json()["lineage"] == "main"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

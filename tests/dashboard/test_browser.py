@@ -1,0 +1,111 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven by Playwright (never a downloaded
+browser). Opens the lineage, clicks through a generation to its item comparison and one item's answers,
+filters experience, opens a served trace with its route decision, checks that injected script never ran,
+signs in and promotes through the form. Screenshots go to the test's temp dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from serving.support import ServerThread
+
+from dashboard.conftest import served_trace_ids
+from pipeline.dashboard import create_app
+from pipeline.settings import Settings
+
+CHROMIUM = os.environ.get("RATCHET_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser():
+    if CHROMIUM is None:
+        if os.environ.get("RATCHET_REQUIRE_BROWSER"):
+            raise RuntimeError("RATCHET_REQUIRE_BROWSER is set but Debian's chromium is not installed")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def test_click_through_the_dashboard(browser, acting_home, tmp_path):
+    settings = Settings(home=acting_home, admin_token="browser-token")
+    ids = served_trace_ids(settings)
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    errors: list[str] = []
+    with ServerThread(create_app(settings)) as srv:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+
+        page.goto(srv.url + "/")
+        assert page.locator("svg.lineage a.node").count() == 3
+        assert page.locator("#champion-score").inner_text() != "–"
+        page.screenshot(path=str(shots / "lineage.png"), full_page=True)
+
+        page.locator('svg.lineage a.node[data-generation="1"]').click()  # a node of the picture opens it
+        page.wait_for_url("**/generations/1")
+        assert page.locator("#heldout tr").count() == 6  # header, four specialists, overall
+        assert page.locator("#verdict").inner_text() in ("promote", "reject")
+        page.screenshot(path=str(shots / "generation.png"), full_page=True)
+
+        page.get_by_text("Item-level comparison").click()
+        page.wait_for_url("**/generations/1/items**")
+        assert page.locator("#changes tr").count() == 5
+        page.locator("#items a").first.click()
+        page.wait_for_url("**/generations/1/items/*/*")
+        answers = page.locator("#answers h2")
+        assert answers.nth(0).inner_text().startswith("Parent (generation 0)")
+        assert answers.nth(1).inner_text().startswith("Generation 1")
+        page.screenshot(path=str(shots / "item.png"), full_page=True)
+
+        page.get_by_role("link", name="Experience").click()
+        page.fill('#filters input[name="specialist"]', "chat")
+        page.select_option('#filters select[name="source"]', "simulation")
+        page.click('#filters button[type="submit"]')
+        page.wait_for_url("**/experience?**specialist=chat**")
+        cells = page.locator("#experience tr td:nth-child(4)").all_inner_texts()
+        assert cells and set(cells) == {"chat"}
+        assert set(page.locator("#experience tr td:nth-child(3)").all_inner_texts()) == {"simulation"}
+        page.screenshot(path=str(shots / "experience.png"), full_page=True)
+
+        page.goto(f"{srv.url}/experience/{ids['two_turns']}")
+        routes = page.locator(".turn.assistant .route").all_inner_texts()
+        assert any(r.startswith("routed to") for r in routes)
+        page.locator("details summary", has_text="was shown").last.click()
+        page.screenshot(path=str(shots / "trace.png"), full_page=True)
+
+        for hostile in (ids["hostile"], ids["ingested_hostile"]):
+            page.goto(f"{srv.url}/experience/{hostile}")
+            assert page.evaluate("typeof window.__pwned") == "undefined"
+            assert (
+                page.locator("img[src='x']").count() == 0
+                and page.locator("a[href^='javascript:']").count() == 0
+            )
+            assert "window.__pwned" in page.locator("main").inner_text()  # shown, as text
+        page.get_by_role("link", name="Quarantine").click()
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+        assert "window.__pwned = 4" in page.locator("#quarantine").inner_text()
+        page.screenshot(path=str(shots / "hostile.png"), full_page=True)
+
+        page.get_by_role("link", name="sign in").click()
+        page.fill('input[name="token"]', "browser-token")
+        page.click('button[type="submit"]')
+        page.wait_for_url(srv.url + "/")
+        cookie = next(c for c in page.context.cookies() if c["name"] == "ratchet_session")
+        assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+        page.goto(srv.url + "/generations/1")
+        page.get_by_role("button", name="Make generation 1 the champion").click()
+        page.wait_for_url("**/generations/1**")
+        assert "(champion)" in page.locator("h1").inner_text()
+        page.goto(srv.url + "/audit")
+        assert "dashboard:session" in page.locator("#audit").inner_text()
+        page.screenshot(path=str(shots / "audit.png"), full_page=True)
+    assert not [e for e in errors if "Content Security Policy" not in e], errors
+    assert len(list(shots.glob("*.png"))) == 7
