@@ -2,7 +2,7 @@
 
 ``dataset_examples`` records which trace went into which training dataset; ``evaluation_items`` keeps each
 held-out item of a candidate's evaluation with both pairs' answers and scores; composite indexes let the
-dashboard page through experience newest first within a filter on PostgreSQL too.
+dashboard page through experience, quarantine and the audit log newest first within a filter.
 
 Revision ID: 0005
 Revises: 0004
@@ -65,9 +65,17 @@ def upgrade() -> None:
     op.create_index(
         "ix_scores_contract_scorer_experience", "scores", ["contract_version_id", "scorer", "experience_id"]
     )
+    op.create_index("ix_quarantine_by_source_file", "quarantine", ["source_file", "id"])
+    op.create_index("ix_audit_log_by_entity", "audit_log", ["entity", "id"])
+    op.create_index("ix_audit_log_by_action", "audit_log", ["action", "id"])
+    op.create_index("ix_audit_log_by_actor", "audit_log", ["actor", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_audit_log_by_actor", table_name="audit_log")
+    op.drop_index("ix_audit_log_by_action", table_name="audit_log")
+    op.drop_index("ix_audit_log_by_entity", table_name="audit_log")
+    op.drop_index("ix_quarantine_by_source_file", table_name="quarantine")
     op.drop_index("ix_scores_contract_scorer_experience", table_name="scores")
     op.drop_index("ix_experience_generation_id_id", table_name="experience")
     op.drop_index("ix_experience_source_id", table_name="experience")

@@ -14,6 +14,12 @@ def dashboard(
     host: Annotated[str, typer.Option(help="Interface to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8100,
     lineage: Annotated[str, typer.Option(help="Lineage shown first.")] = "main",
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Host name browsers use to reach it (repeatable; loopback names are always allowed)."
+        ),
+    ] = None,
 ) -> None:
     """See the lineage, each generation's evidence and the experience behind it in a browser.
 
@@ -22,10 +28,24 @@ def dashboard(
     import uvicorn
 
     from pipeline.dashboard import create_app
+    from pipeline.dashboard.app import LOOPBACK_HOSTS
+    from pipeline.errors import RatchetError
     from pipeline.settings import get_settings
 
+    if host in ("0.0.0.0", "::") and not allow_host:
+        raise RatchetError(
+            f"--host {host} listens on every interface: name the host browsers will use with --allow-host "
+            "(requests for any other name are refused, against DNS rebinding)"
+        )
+    hosts = [*LOOPBACK_HOSTS, *(allow_host or []), *([] if host in ("0.0.0.0", "::") else [host])]
     settings = get_settings()
-    web = create_app(settings, lineage_name=lineage)
+    web = create_app(settings, lineage_name=lineage, allowed_hosts=hosts)
+    if host not in LOOPBACK_HOSTS:
+        typer.echo(
+            "note: the session cookie is Secure: off loopback, serve the dashboard behind TLS (a reverse proxy), "
+            "or browsers will not send it back and the admin token crosses the network in clear",
+            err=True,
+        )
     mode = "actions allowed with the admin token" if settings.admin_token else "read-only"
     typer.echo(f"dashboard on http://{host}:{port}/ ({mode}); JSON API at /api, reference at /api/docs")
     uvicorn.run(web, host=host, port=port, log_level="warning")

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Form, Header, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from sqlalchemy.orm import sessionmaker
 
-from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access
+from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access, Id
 from pipeline.errors import ConflictError
 from pipeline.settings import Settings
 
@@ -119,7 +119,7 @@ def action_routes(
                 status=403,
             )
         if not access.token_matches(token):
-            await asyncio.sleep(0.5)  # a wrong guess costs time
+            await asyncio.sleep(0.5)  # a wrong guess costs time (and all of them together are throttled)
             return render(request, "login.html", {"error": "wrong token"}, status=401)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(
@@ -134,7 +134,9 @@ def action_routes(
         return response
 
     @app.post("/logout", include_in_schema=False)
-    def logout() -> Response:
+    def logout(request: Request, csrf: Csrf = None) -> Response:
+        actor(request, None, csrf)  # a cross-site form cannot sign anyone out
+        access.revoke(request.cookies.get(COOKIE))
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(COOKIE, path="/", secure=True, httponly=True, samesite="strict")
         return response
@@ -145,7 +147,7 @@ def action_routes(
 
     @app.post("/generations/{number}/promote", include_in_schema=False)
     def promote_form(
-        request: Request, number: int, csrf: Csrf = None, lineage: Lineage = lineage_name,
+        request: Request, number: Id, csrf: Csrf = None, lineage: Lineage = lineage_name,
         reason: Annotated[str, Form(max_length=500)] = "promoted from the dashboard", authorization: Auth = None,
     ) -> Response:  # fmt: skip
         promote(
@@ -170,7 +172,7 @@ def action_routes(
     @app.post("/experience/{experience_id}/rescore", include_in_schema=False)
     def rescore_form(
         request: Request,
-        experience_id: int,
+        experience_id: Id,
         csrf: Csrf = None,
         lineage: Lineage = lineage_name,
         authorization: Auth = None,
@@ -184,7 +186,7 @@ def action_routes(
         return back(f"/experience/{experience_id}", lineage)
 
     @app.post("/api/generations/{number}/promote", tags=["actions"])
-    def promote_api(request: Request, number: int, lineage: str = lineage_name, reason: str = "promoted through the API",
+    def promote_api(request: Request, number: Id, lineage: str = lineage_name, reason: str = "promoted through the API",
                     authorization: Auth = None) -> JSONResponse:  # fmt: skip
         """Make a generation the champion (admin token; audited)."""
         who = actor(request, authorization, None)
@@ -207,7 +209,7 @@ def action_routes(
 
     @app.post("/api/experience/{experience_id}/rescore", tags=["actions"])
     def rescore_api(
-        request: Request, experience_id: int, lineage: str = lineage_name, authorization: Auth = None
+        request: Request, experience_id: Id, lineage: str = lineage_name, authorization: Auth = None
     ) -> JSONResponse:
         """Score one trace again under its contract versions and the champion's (admin token; audited)."""
         who = actor(request, authorization, None)

@@ -12,7 +12,7 @@ No ``from __future__ import annotations`` here: FastAPI reads the handlers' anno
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,11 +21,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from pipeline.dashboard import charts, comparison, experience, provenance, records
 from pipeline.dashboard import lineage as lineage_data
 from pipeline.dashboard.actions import action_routes
-from pipeline.dashboard.security import COOKIE, HEADERS, Access, ForbiddenError, artifact_file
+from pipeline.dashboard.security import COOKIE, HEADERS, MAX_ID, Access, ForbiddenError, Id, artifact_file
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
 from pipeline.settings import Settings
 
@@ -35,6 +36,10 @@ HERE = Path(__file__).resolve().parent
 __all__ = ["create_app"]
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _templates() -> Environment:
     env = Environment(
         loader=FileSystemLoader(HERE / "templates"),
@@ -42,16 +47,27 @@ def _templates() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["num"] = lambda v, d=3: "–" if v is None else f"{v:.{d}f}"
-    env.filters["signed"] = lambda v, d=3: "–" if v is None else f"{v:+.{d}f}"
-    env.filters["pct"] = lambda v: "–" if v is None else f"{100 * v:.1f}%"
+    # numbers from the registry, or whatever an untrusted trace put where a number belongs (shown as text)
+    env.filters["num"] = lambda v, d=3: f"{v:.{d}f}" if _number(v) else ("–" if v is None else str(v))
+    env.filters["signed"] = lambda v, d=3: f"{v:+.{d}f}" if _number(v) else ("–" if v is None else str(v))
+    env.filters["pct"] = lambda v: f"{100 * v:.1f}%" if _number(v) else ("–" if v is None else str(v))
     env.filters["short"] = lambda v, n=12: "" if v is None else str(v)[:n]
     env.filters["pretty"] = lambda v: __import__("json").dumps(v, indent=2, ensure_ascii=False, default=str)
     return env
 
 
-def create_app(settings: Settings | None = None, *, lineage_name: str = "main") -> FastAPI:
-    """The dashboard over the registry of ``settings`` (default: the environment's)."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    lineage_name: str = "main",
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+) -> FastAPI:
+    """The dashboard over the registry of ``settings`` (default: the environment's). Requests whose ``Host``
+    is not in ``allowed_hosts`` are refused (400), so a web page cannot read the dashboard through DNS
+    rebinding."""
     from pipeline.registry import get_engine
     from pipeline.settings import get_settings
 
@@ -146,7 +162,7 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
         }
 
     @both("/generations/{number}", "generation.html", charts_for=generation_charts)
-    def generation_view(db: DB, number: int, lineage: Lineage = lineage_name) -> dict[str, Any]:
+    def generation_view(db: DB, number: Id, lineage: Lineage = lineage_name) -> dict[str, Any]:
         """One generation: versions, adapters, loss curves, held-out scores vs its parent, the verdict."""
         return lineage_data.generation_detail(
             session=db, lineage=lineage, number=number, tracking_uri=settings.mlflow_tracking_uri
@@ -155,7 +171,7 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
     @both("/generations/{number}/items", "items.html")
     def items_view(
         db: DB,
-        number: int,
+        number: Id,
         lineage: Lineage = lineage_name,
         specialist: Annotated[str | None, Query(max_length=100)] = None,
         change: Annotated[str | None, Query(max_length=20)] = None,
@@ -169,7 +185,7 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
 
     @both("/generations/{number}/items/{specialist}/{position}", "item.html")
     def item_view(
-        db: DB, number: int, specialist: str, position: int, lineage: Lineage = lineage_name
+        db: DB, number: Id, specialist: str, position: Id, lineage: Lineage = lineage_name
     ) -> dict[str, Any]:
         """One held-out item: the parent's and the candidate's answers side by side."""
         return comparison.held_out_item(
@@ -223,8 +239,8 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
     @both("/adapters/{adapter_id}", "adapter.html")
     def adapter_view(
         db: DB,
-        adapter_id: int,
-        before: Annotated[int | None, Query(ge=1)] = None,
+        adapter_id: Id,
+        before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
         lineage: Lineage = lineage_name,
     ) -> dict[str, Any]:
         """An adapter's provenance: its dataset and the traces in it, its parent, where it is used."""
@@ -239,9 +255,16 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
         return experience.list_experience(session=db, lineage=query.lineage or lineage_name, query=query)
 
     @both("/experience/{experience_id}", "trace.html")
-    def trace_view(db: DB, experience_id: int, lineage: Lineage = lineage_name) -> dict[str, Any]:
+    def trace_view(
+        db: DB,
+        experience_id: Id,
+        lineage: Lineage = lineage_name,
+        turns_from: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+    ) -> dict[str, Any]:
         """One trace turn by turn, with routes, views, summaries, scores, feedback and what it trained."""
-        return experience.trace_detail(session=db, experience_id=experience_id, lineage=lineage)
+        return experience.trace_detail(
+            session=db, experience_id=experience_id, lineage=lineage, turn_offset=turns_from
+        )
 
     for kind in ("contracts", "harnesses"):
         _version_routes(both, kind, DB)
@@ -249,7 +272,7 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
     @both("/quarantine", "quarantine.html")
     def quarantine_view(
         db: DB,
-        before: Annotated[int | None, Query(ge=1)] = None,
+        before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
         source_file: Annotated[str | None, Query(max_length=1000)] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> dict[str, Any]:
@@ -261,7 +284,7 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
     @both("/audit", "audit.html")
     def audit_view(
         db: DB,
-        before: Annotated[int | None, Query(ge=1)] = None,
+        before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
         entity: Annotated[str | None, Query(max_length=50)] = None,
         action: Annotated[str | None, Query(max_length=50)] = None,
         actor: Annotated[str | None, Query(max_length=100)] = None,
@@ -302,6 +325,8 @@ def create_app(settings: Settings | None = None, *, lineage_name: str = "main") 
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     _errors(app, render)
 
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+
     @app.middleware("http")
     async def headers(request: Request, call_next: Callable[..., Any]) -> Response:
         response = await call_next(request)
@@ -318,11 +343,13 @@ def _version_routes(both: Callable[..., Any], kind: str, DB: Any) -> None:
         return {"kind": kind, "versions": records.list_versions(session=db, kind=kind)}
 
     @both(f"/{kind}/diff", "diff.html")
-    def diff(db: DB, a: Annotated[int, Query(ge=1)], b: Annotated[int, Query(ge=1)]) -> dict[str, Any]:  # type: ignore[valid-type]
+    def diff(
+        db: DB, a: Annotated[int, Query(ge=1, le=MAX_ID)], b: Annotated[int, Query(ge=1, le=MAX_ID)]
+    ) -> dict[str, Any]:  # type: ignore[valid-type]
         return records.diff_versions(session=db, kind=kind, a=a, b=b)
 
     @both(f"/{kind}/{{version_id}}", "version.html")
-    def version(db: DB, version_id: int) -> dict[str, Any]:  # type: ignore[valid-type]
+    def version(db: DB, version_id: Id) -> dict[str, Any]:  # type: ignore[valid-type]
         return records.version_detail(session=db, kind=kind, version_id=version_id)
 
     versions.__doc__ = f"Every {kind[:-1]} version."

@@ -100,7 +100,7 @@ def lineage_svg(nodes: Sequence[Mapping], *, link: str = "/generations/{number}"
             f'<text x="{_f(x + 8)}" y="{_f(y + 34)}" fill="#fff" font-size="12">{escape(n["status"])} · '
             f"{escape(score)}</text>"
             f'<text x="{_f(x + 8)}" y="{_f(y + 49)}" fill="#fff" font-size="11">'
-            f"{escape(str(n.get('method') or ''))[:24]}</text>"
+            f"{escape(str(n.get('method') or '')[:24])}</text>"
             "</a>"
         )
     parts.append("</svg>")

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 __all__ = ["ExperienceQuery", "list_experience", "message_text", "trace_detail"]
 
 SCAN_BUDGET_S = 0.15  # per page, for filters no index serves
-FIRST_WINDOW = 20_000  # ids per scanned window (doubled while the budget lasts)
+FIRST_WINDOW = 20_000  # ids per scanned window (doubled while the budget lasts, up to MAX_WINDOW)
+TURNS_PER_PAGE = 200  # messages of one trace per page
+VIEWS_PER_PAGE = 10  # each rebuilt view reads the conversation before it: bounded per page
+MAX_WINDOW = 160_000  # one window's query must stay well inside the budget (a page stops between windows)
 
 
 class ExperienceQuery(BaseModel):
@@ -36,7 +39,9 @@ class ExperienceQuery(BaseModel):
         max_length=100,
         description="Lineage (default: the dashboard's) of `generation` and scores.",
     )
-    generation: int | None = Field(default=None, ge=0, description="Traces served by this generation number.")
+    generation: int | None = Field(
+        default=None, ge=0, le=2**31, description="Traces served by this generation number."
+    )
     specialist: str | None = Field(default=None, max_length=100, description="Traces of this specialist.")
     source: str | None = Field(default=None, max_length=32, description="deployment, simulation, import, ...")
     score_min: float | None = Field(
@@ -51,8 +56,12 @@ class ExperienceQuery(BaseModel):
         description="Whether the contract verified the trace's outcome, or it is not scored yet.",
     )
     q: str | None = Field(default=None, max_length=200, description="Text the conversation contains.")
-    before: int | None = Field(default=None, ge=1, description="Older than this trace id (next page).")
-    after: int | None = Field(default=None, ge=0, description="Newer than this trace id (previous page).")
+    before: int | None = Field(
+        default=None, ge=1, le=2**63 - 1, description="Older than this trace id (next page)."
+    )
+    after: int | None = Field(
+        default=None, ge=0, le=2**63 - 1, description="Newer than this trace id (previous page)."
+    )
     limit: int = Field(default=50, ge=1, le=200, description="Traces per page.")
 
     @field_validator(
@@ -101,7 +110,6 @@ def list_experience(
     """One page of traces matching ``query``, newest first, with the cursors of the next pages."""
     from pipeline.registry import Generation, Score
     from pipeline.registry.experience import RAW_EXPERIENCE
-    from pipeline.registry.models import load_json
 
     e, s = RAW_EXPERIENCE, Score.__table__
     numbers = dict(
@@ -151,24 +159,31 @@ def list_experience(
     joined = e.outerjoin(
         s, and_(s.c.experience_id == e.c.id, s.c.contract_version_id == contract_id, s.c.scorer == "total")
     )
+    prompt, answer, tool = _previews(e.c.messages, session.get_bind().dialect.name)
     columns = select(
-        e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.generation_id, e.c.messages, e.c.feedback,
+        e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.generation_id, e.c.feedback, prompt, answer, tool,
         s.c.value, s.c.verified,
     ).select_from(joined)  # fmt: skip
     newer = query.after is not None and query.before is None
     order = e.c.id.asc() if newer else e.c.id.desc()
-    lowest, highest = session.execute(select(func.min(e.c.id), func.max(e.c.id))).one()
+    # two single-aggregate queries: SQLite answers each from the primary key, a min and max together scan
+    lowest = session.scalar(select(func.min(e.c.id)))
+    highest = session.scalar(select(func.max(e.c.id)))
     rows: list[Any] = []
     searched_to: int | None = None
     if lowest is not None:
+        before = min(query.before, highest + 1) if query.before is not None else highest + 1
+        after = max(query.after, lowest - 1) if newer and query.after is not None else lowest - 1
         if not scanned:
-            stmt = columns.where(*conditions)
-            stmt = stmt.where(e.c.id > query.after) if newer else stmt
-            stmt = stmt.where(e.c.id < query.before) if query.before is not None else stmt
+            stmt = (
+                columns.where(*conditions, e.c.id > after)
+                if newer
+                else columns.where(*conditions, e.c.id < before)
+            )
             rows = list(session.execute(stmt.order_by(order).limit(query.limit + 1)))
         else:
             started, window = time.perf_counter(), FIRST_WINDOW
-            edge = (query.after + 1) if newer else (query.before if query.before is not None else highest + 1)
+            edge = after + 1 if newer else before
             while len(rows) <= query.limit:
                 lo, hi = (edge, edge + window) if newer else (edge - window, edge)
                 stmt = columns.where(*conditions, e.c.id >= lo, e.c.id < hi)
@@ -179,58 +194,92 @@ def list_experience(
                 if time.perf_counter() - started > budget_s and len(rows) <= query.limit:
                     searched_to = edge  # stopped early: the ids beyond ``edge`` are not searched yet
                     break
-                window *= 2
+                window = min(window * 2, MAX_WINDOW)
     more = len(rows) > query.limit
     rows = rows[: query.limit]
     if newer:
         rows.reverse()
-    items = []
-    for r in rows:
-        messages = load_json(r.messages) or []
-        user = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), {})
-        last = next(
-            (m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), {}
-        )
-        items.append(
-            {
-                "id": r.id,
-                "created_at": r.created_at.isoformat()
-                if hasattr(r.created_at, "isoformat")
-                else str(r.created_at),
-                "source": r.source,
-                "specialist": r.specialist,
-                "generation": numbers.get(r.generation_id),
-                "prompt": message_text(user)[:200],
-                "answer": message_text(last)[:200],
-                "score": r.value,
-                "verified": r.verified,
-                "feedback": r.feedback not in (None, "null"),
-            }
-        )
+    items = [
+        {
+            "id": r.id,
+            "created_at": r.created_at.isoformat()
+            if hasattr(r.created_at, "isoformat")
+            else str(r.created_at),
+            "source": r.source,
+            "specialist": r.specialist,
+            "generation": numbers.get(r.generation_id),
+            "prompt": _text(r.prompt),
+            "answer": _text(r.answer) or (f"tool call {_text(r.tool)}" if r.tool else ""),
+            "score": r.value,
+            "verified": r.verified,
+            "feedback": r.feedback not in (None, "null"),
+        }
+        for r in rows
+    ]
     first_id, last_id = (items[0]["id"], items[-1]["id"]) if items else (None, None)
-    older = None
-    if newer:
-        older = last_id if last_id is not None and last_id > (lowest or 0) else None
-    elif more:
-        older = last_id
-    elif searched_to is not None:
-        older = searched_to
+    if newer:  # walking up: older is where this page starts, newer where it ends or where the scan stopped
+        older = last_id if last_id is not None and last_id > lowest else None
+        newer_cursor = searched_to - 1 if searched_to is not None else (first_id if more else None)
+    else:
+        older = last_id if more else searched_to
+        newer_cursor = first_id if query.before is not None and first_id is not None else None
     return {
         "lineage": lineage,
         "filters": query.active(),
         "traces": items,
         "older": older,  # pass as ``before``
-        "newer": first_id if (query.before is not None or newer) and first_id is not None else None,
-        "searched_to": searched_to,  # set when the page stopped early: ids below it are not searched yet
+        "newer": newer_cursor,  # pass as ``after``
+        "searched_to": searched_to,  # set when the page stopped early: ids beyond it are not searched yet
+        "direction": "newer" if newer else "older",
         "scanned": scanned,
         "contract_version_id": contract_id,
         "newest_id": highest,
     }
 
 
-def _views(row: Any, messages: list[dict[str, Any]], routes: dict[int, dict[str, Any]]) -> dict[int, Any]:
-    """What each served turn's specialist was shown, rebuilt from the trace's routes and summaries under
-    the harness that served it (the context policy, exemplars and ``keep_turns``; the token budget's
+PREVIEW_CHARS = 200
+
+
+def _previews(messages: Any, dialect: str) -> tuple[Any, Any, Any]:
+    """SQL for a trace's first prompt, last message and last tool call's name, cut to ``PREVIEW_CHARS``:
+    a list page reads a few hundred characters per trace, not whole conversations."""
+    from sqlalchemy import case, cast
+
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import JSONB
+
+        doc = cast(messages, JSONB)
+        first = case(
+            (doc[0]["role"].astext == "system", doc[1]["content"].astext), else_=doc[0]["content"].astext
+        )
+        last, tool = doc[-1]["content"].astext, doc[-1]["tool_calls"][0]["function"]["name"].astext
+    else:
+        role = func.json_extract(messages, "$[0].role")
+        first = case(
+            (role == "system", func.json_extract(messages, "$[1].content")),
+            else_=func.json_extract(messages, "$[0].content"),
+        )
+        last = func.json_extract(messages, "$[#-1].content")
+        tool = func.json_extract(messages, "$[#-1].tool_calls[0].function.name")
+    cut = PREVIEW_CHARS + 1
+    return (
+        func.substr(first, 1, cut).label("prompt"),
+        func.substr(last, 1, cut).label("answer"),
+        func.substr(tool, 1, 100).label("tool"),
+    )
+
+
+def _text(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return text[:PREVIEW_CHARS] + ("…" if len(text) > PREVIEW_CHARS else "")
+
+
+def _views(
+    row: Any, messages: list[dict[str, Any]], routes: dict[int, dict[str, Any]], summaries: dict[str, str],
+    wanted: set[int],
+) -> dict[int, Any]:  # fmt: skip
+    """What the specialist of each turn in ``wanted`` was shown, rebuilt from the trace's routes and summaries
+    under the harness that served it (the context policy, exemplars and ``keep_turns``; the token budget's
     trimming needs the model's tokenizer and is not redone here)."""
     from pipeline.errors import RatchetError
     from pipeline.harness import HarnessSpec
@@ -239,32 +288,58 @@ def _views(row: Any, messages: list[dict[str, Any]], routes: dict[int, dict[str,
     if row.harness_version is None:
         return {}
     harness = HarnessSpec.model_validate(row.harness_version.spec)
-    summaries = (row.meta or {}).get("summaries") or {}
     memory = TurnMemory()
     views: dict[int, Any] = {}
-    for i, m in enumerate(messages):
+    for i, m in enumerate(messages[: max(wanted) + 1]):
         route = routes.get(i)
         if m.get("role") != "assistant" or route is None:
             continue
-        try:
-            views[i] = build_view(
-                messages[:i],
-                route["specialist"],
-                harness=harness,
-                memory=memory,
-                count_tokens=lambda _view: 0,
-                max_new_tokens=0,
-            )
-        except RatchetError as exc:
-            views[i] = str(exc)
-        memory.remember(m, TurnRecord(route["specialist"], str(summaries.get(str(i), ""))))
+        if i in wanted:
+            try:
+                views[i] = build_view(messages[:i], route["specialist"], harness=harness, memory=memory,
+                                      count_tokens=lambda _view: 0, max_new_tokens=0)  # fmt: skip
+            except (RatchetError, TypeError, ValueError, AttributeError) as exc:  # a trace of odd shape
+                views[i] = f"cannot rebuild this view: {exc}"
+        memory.remember(m, TurnRecord(route["specialist"], summaries.get(str(i), "")))
     return views
 
 
-def trace_detail(*, session: Session, experience_id: int, lineage: str) -> dict[str, Any]:
-    """One trace turn by turn: each turn's route decision (specialist, reason, signal scores), the view the
-    specialist answered from and its hidden summary where it was served, every scorer's score under every
-    contract version (and replaced scores), feedback, and the adapters it trained."""
+def _number_or_text(value: Any) -> float | str:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
+def _routes(raw: Any) -> dict[int, dict[str, Any]]:
+    """The trace's route entries by turn, as the dashboard shows them (entries of another shape left out)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in raw if isinstance(raw, list) else []:
+        turn = r.get("turn") if isinstance(r, dict) else None
+        if not isinstance(turn, int) or isinstance(turn, bool):
+            continue
+        scores = r.get("scores") if isinstance(r.get("scores"), dict) else {}
+        out[turn] = {
+            "turn": turn,
+            "specialist": str(r.get("specialist", "")),
+            "reason": str(r.get("reason", "")),
+            "scores": {
+                str(k): (
+                    {str(a): _number_or_text(b) for a, b in v.items()}
+                    if isinstance(v, dict)
+                    else {"": str(v)}
+                )
+                for k, v in scores.items()
+            },
+        }
+    return out
+
+
+def trace_detail(
+    *, session: Session, experience_id: int, lineage: str, turn_offset: int = 0
+) -> dict[str, Any]:
+    """One trace turn by turn (``TURNS_PER_PAGE`` messages from ``turn_offset``): each turn's route decision
+    (specialist, reason, signal scores), the view the specialist answered from (for the newest
+    ``VIEWS_PER_PAGE`` served turns of the page) and its hidden summary where it was served, every scorer's
+    score under every contract version (and replaced scores), feedback, and the adapters it trained. The
+    trace is untrusted: routes, scores and summaries of an unexpected shape are left out or shown as text."""
     from sqlalchemy.orm import selectinload
 
     from pipeline.registry import (
@@ -285,19 +360,23 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str) -> dict[
     )
     if row is None:
         raise NotFoundError(f"no trace {experience_id}")
-    messages = [m for m in (row.messages or []) if isinstance(m, dict)]
-    routes = {int(r["turn"]): r for r in (row.routes or []) if isinstance(r, dict) and "turn" in r}
-    meta = dict(row.meta or {})
-    summaries = meta.pop("summaries", None) or {}
-    views = _views(row, messages, routes) if routes else {}
+    messages = [m for m in (row.messages if isinstance(row.messages, list) else []) if isinstance(m, dict)]
+    routes = _routes(row.routes)
+    meta = dict(row.meta) if isinstance(row.meta, dict) else {"value": row.meta}
+    summaries = meta.pop("summaries", None)
+    summaries = {str(k): str(v) for k, v in summaries.items()} if isinstance(summaries, dict) else {}
+    window = range(max(0, turn_offset), min(len(messages), max(0, turn_offset) + TURNS_PER_PAGE))
+    shown = [i for i in window if i in routes and messages[i].get("role") == "assistant"][-VIEWS_PER_PAGE:]
+    views = _views(row, messages, routes, summaries, set(shown)) if shown else {}
     turns = []
-    for i, m in enumerate(messages):
+    for i in window:
+        m = messages[i]
         turns.append(
             {
                 "index": i,
                 "role": str(m.get("role", "?")),
                 "text": message_text(m) if not m.get("tool_calls") else str(m.get("content") or ""),
-                "tool_calls": m.get("tool_calls") or [],
+                "tool_calls": m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else [],
                 "tool_call_id": m.get("tool_call_id"),
                 "route": routes.get(i),
                 "summary": summaries.get(str(i)),
@@ -360,6 +439,10 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str) -> dict[
         "created_at": row.created_at.isoformat(),
         "completion_id": row.completion_id,
         "turns": turns,
+        "turn_count": len(messages),
+        "turn_offset": window.start,
+        "next_turns": window.stop if window.stop < len(messages) else None,
+        "previous_turns": max(0, window.start - TURNS_PER_PAGE) if window.start > 0 else None,
         "metadata": meta,
         "feedback": row.feedback,
         "scores": scores,

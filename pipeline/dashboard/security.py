@@ -16,14 +16,25 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
+import threading
 import time
+from collections import deque
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import unquote
+
+from fastapi import Path as PathParam
 
 from pipeline.errors import NotFoundError, RatchetError
 
-__all__ = ["CSP", "Access", "ForbiddenError", "artifact_file"]
+__all__ = ["CSP", "MAX_ID", "Access", "ForbiddenError", "Id", "artifact_file"]
+
+MAX_ID = 2**63 - 1  # the largest id either database stores: a larger number in a URL is a 422, not a crash
+Id = Annotated[int, PathParam(ge=0, le=MAX_ID)]
+
+log = logging.getLogger(__name__)
 
 COOKIE = "ratchet_session"
 SESSION_SECONDS = 8 * 3600
@@ -41,7 +52,7 @@ HEADERS = {
 
 
 class ForbiddenError(RatchetError):
-    """An action without valid credentials (HTTP 401/403)."""
+    """An action without valid credentials (HTTP 401/403; 429 while wrong tokens are throttled)."""
 
     def __init__(self, message: str, status: int = 403):
         super().__init__(message)
@@ -49,29 +60,62 @@ class ForbiddenError(RatchetError):
 
 
 class Access:
-    """The admin token, its sessions and CSRF tokens. ``enabled`` is False without a token: read-only."""
+    """The admin token, its sessions and CSRF tokens. ``enabled`` is False without a token: read-only.
+
+    Wrong tokens are throttled together, whatever path they come by (login form or bearer header): after
+    ``MAX_FAILURES`` in ``FAILURE_WINDOW_S`` every token check fails for the rest of the window, and each
+    failure is logged. Signing out revokes the session (kept in memory: a restart ends every session)."""
+
+    MAX_FAILURES = 20
+    FAILURE_WINDOW_S = 60.0
+    MIN_TOKEN_CHARS = 16
 
     def __init__(self, token: str | None):
+        if token and len(token) < self.MIN_TOKEN_CHARS:
+            raise RatchetError(
+                f"RATCHET_ADMIN_TOKEN has {len(token)} characters: use at least {self.MIN_TOKEN_CHARS} "
+                "(e.g. `openssl rand -hex 16`)"
+            )
         self.token = token or None
         self._key = secrets.token_bytes(32) + (token or "").encode()
+        self._failures: deque[float] = deque()
+        self._revoked: set[str] = set()
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
         return self.token is not None
 
+    def throttled(self) -> bool:
+        with self._lock:
+            cutoff = time.monotonic() - self.FAILURE_WINDOW_S
+            while self._failures and self._failures[0] < cutoff:
+                self._failures.popleft()
+            return len(self._failures) >= self.MAX_FAILURES
+
+    def _failed(self, how: str) -> None:
+        with self._lock:
+            self._failures.append(time.monotonic())
+        log.warning("dashboard: wrong admin token (%s)", how)
+
     def _sign(self, text: str) -> str:
         return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
 
-    def token_matches(self, candidate: str | None) -> bool:
+    def token_matches(self, candidate: str | None, how: str = "login") -> bool:
         if not self.enabled or not candidate:
             return False
-        return hmac.compare_digest(candidate.encode(), self.token.encode())  # type: ignore[union-attr]
+        if self.throttled():
+            raise ForbiddenError("too many wrong tokens: try again in a minute", status=429)
+        if hmac.compare_digest(candidate.encode(), self.token.encode()):  # type: ignore[union-attr]
+            return True
+        self._failed(how)
+        return False
 
     def bearer(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header carries the admin token."""
         if not authorization or not authorization.lower().startswith("bearer "):
             return False
-        return self.token_matches(authorization[7:].strip())
+        return self.token_matches(authorization[7:].strip(), "bearer")
 
     def new_session(self) -> str:
         payload = f"{int(time.time()) + SESSION_SECONDS}.{secrets.token_urlsafe(16)}"
@@ -81,10 +125,15 @@ class Access:
         if not self.enabled or not cookie or cookie.count(".") != 2:
             return False
         payload, signature = cookie.rsplit(".", 1)
-        if not hmac.compare_digest(signature, self._sign("session:" + payload)):
+        if not hmac.compare_digest(signature, self._sign("session:" + payload)) or payload in self._revoked:
             return False
         expiry = payload.split(".", 1)[0]
         return expiry.isdigit() and int(expiry) > time.time()
+
+    def revoke(self, cookie: str | None) -> None:
+        """End a session (sign-out): its cookie is refused from now on."""
+        if self.session_valid(cookie):
+            self._revoked.add(cookie.rsplit(".", 1)[0])  # type: ignore[union-attr]
 
     def csrf_token(self, cookie: str | None) -> str:
         return self._sign("csrf:" + cookie) if self.session_valid(cookie) else ""

@@ -319,6 +319,7 @@ class Quarantine(Base):
     """A malformed input line, kept with its line number and the reason it was refused."""
 
     __tablename__ = "quarantine"
+    __table_args__ = (Index("ix_quarantine_by_source_file", "source_file", "id"),)  # the dashboard's filter
     id: Mapped[int] = mapped_column(primary_key=True)
     source_file: Mapped[str] = mapped_column(Text)
     line_number: Mapped[int] = mapped_column(Integer)
@@ -385,6 +386,11 @@ class AuditLog(Base):
     """Append-only record of every state change (never updated or deleted by product code)."""
 
     __tablename__ = "audit_log"
+    __table_args__ = (  # the dashboard's filters, newest first
+        Index("ix_audit_log_by_entity", "entity", "id"),
+        Index("ix_audit_log_by_action", "action", "id"),
+        Index("ix_audit_log_by_actor", "actor", "id"),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     actor: Mapped[str] = mapped_column(String(100))

@@ -26,7 +26,9 @@ from pipeline.settings import Settings
 
 @pytest.fixture
 def client(read_settings):
-    with TestClient(create_app(read_settings), base_url="https://testserver") as c:
+    with TestClient(
+        create_app(read_settings, allowed_hosts=["testserver"]), base_url="https://testserver"
+    ) as c:
         yield c
 
 
@@ -240,7 +242,7 @@ def test_a_link_out_of_the_store_is_refused(acting_home, tmp_path):
     outside = tmp_path / "secret.json"
     outside.write_text('{"secret": true}')
     (acting_home / "artifacts" / "leak.json").symlink_to(outside)
-    with TestClient(create_app(Settings(home=acting_home))) as c:
+    with TestClient(create_app(Settings(home=acting_home), allowed_hosts=["testserver"])) as c:
         assert c.get("/artifacts/leak.json").status_code == 400
         assert "leak.json" not in c.get("/api/artifacts/").text
 
@@ -309,12 +311,12 @@ def _audit(settings, action):
 def test_bearer_actions_are_allowed_and_audited(acting_home):
     from mlflow import MlflowClient
 
-    settings = Settings(home=acting_home, admin_token="s3cret-token")
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(home=acting_home, admin_token="s3cret-token-0123456789")
+    with TestClient(create_app(settings, allowed_hosts=["testserver"])) as c:
         assert (
             c.post("/api/generations/1/promote", headers={"Authorization": "Bearer wrong"}).status_code == 401
         )
-        ok = c.post("/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token"})
+        ok = c.post("/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token-0123456789"})
         assert ok.status_code == 200 and ok.json()["champion"] == 1
         assert c.get("/api/lineage").json()["champion"] == 1
         assert _audit(settings, "promote")[-1][0] == "dashboard:bearer"
@@ -329,9 +331,11 @@ def test_bearer_actions_are_allowed_and_audited(acting_home):
                     settings, select(Adapter.mlflow_model_version).where(Adapter.id == a["adapter_id"])
                 )
                 assert str(version) == str(stored[0][0])
-        again = c.post("/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token"})
+        again = c.post(
+            "/api/generations/1/promote", headers={"Authorization": "Bearer s3cret-token-0123456789"}
+        )
         assert again.status_code == 409 and "already the champion" in again.json()["detail"]
-        back = c.post("/api/rollback", headers={"Authorization": "Bearer s3cret-token"})
+        back = c.post("/api/rollback", headers={"Authorization": "Bearer s3cret-token-0123456789"})
         assert back.status_code == 200 and back.json()["champion"] == 0
         assert _audit(settings, "rollback")[-1][0] == "dashboard:bearer"
 
@@ -339,11 +343,15 @@ def test_bearer_actions_are_allowed_and_audited(acting_home):
 def test_login_session_cookie_and_csrf(acting_home):
     import re
 
-    settings = Settings(home=acting_home, admin_token="s3cret-token")
+    settings = Settings(home=acting_home, admin_token="s3cret-token-0123456789")
     trace = served_trace_ids(settings)["two_turns"]
-    with TestClient(create_app(settings), base_url="https://testserver", follow_redirects=False) as c:
+    with TestClient(
+        create_app(settings, allowed_hosts=["testserver"]),
+        base_url="https://testserver",
+        follow_redirects=False,
+    ) as c:
         assert c.post("/login", data={"token": "nope"}).status_code == 401
-        login = c.post("/login", data={"token": "s3cret-token"})
+        login = c.post("/login", data={"token": "s3cret-token-0123456789"})
         assert login.status_code == 303
         cookie = login.headers["set-cookie"].lower()
         assert "secure" in cookie and "httponly" in cookie and "samesite=strict" in cookie
@@ -401,3 +409,98 @@ def test_cli_dashboard_serves_the_registry(dashboard_home):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_hostile_shapes_render_as_text_and_long_traces_are_paged(acting_home, tmp_path):
+    from pipeline.experience import ingest_file
+    from pipeline.registry import dispose_engines
+
+    settings = Settings(home=acting_home)
+    odd = [
+        {"turn": "x", "specialist": "chat"},
+        {"turn": 1, "specialist": "chat", "scores": [1, 2]},
+        {"turn": 1, "specialist": "chat", "scores": {"chat": {"a": "notnum"}, "b": 3}},
+        {"turn": 1, "specialist": {"x": 1}, "reason": {"r": "<b>"}},
+    ]
+    long_turns = [
+        m
+        for i in range(3000)
+        for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"})
+    ]
+    lines = [
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "routes": [r],
+            "metadata": {"summaries": "<i>not a dict</i>"},
+        }  # fmt: skip
+        for r in odd
+    ]
+    lines.append(
+        {"messages": long_turns, "routes": [{"turn": 2 * i + 1, "specialist": "chat"} for i in range(3000)]}
+    )
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    engine = get_engine(settings.registry_url)
+    result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment",
+                         harness_version_id=1)  # fmt: skip
+    dispose_engines()
+    with TestClient(create_app(settings, allowed_hosts=["testserver"])) as c:
+        ids = [
+            t["id"]
+            for t in c.get("/api/experience", params={"source": "deployment", "limit": 200}).json()["traces"]
+        ]
+        for i in ids[: result.stored]:
+            page = c.get(f"/experience/{i}")
+            assert page.status_code == 200, (i, page.text[:300])
+            assert "'<b>'" not in page.text and "<i>not" not in page.text
+        big = c.get(f"/api/experience/{ids[0]}").json()
+        assert big["turn_count"] == 6000 and len(big["turns"]) == 200 and big["next_turns"] == 200
+        assert sum(1 for t in big["turns"] if t["view"] is not None) == 10
+        later = c.get(f"/api/experience/{ids[0]}", params={"turns_from": 5900}).json()
+        assert (
+            later["turns"][0]["index"] == 5900
+            and later["next_turns"] is None
+            and later["previous_turns"] == 5700
+        )
+
+
+def test_other_hosts_huge_ids_short_tokens(read_settings):
+    from pipeline.errors import RatchetError
+
+    with TestClient(create_app(read_settings), base_url="http://127.0.0.1:8100") as c:
+        assert c.get("/api/lineage").status_code == 200
+        assert (
+            c.get("/api/lineage", headers={"Host": "rebind.attacker.example"}).status_code == 400
+        )  # DNS rebinding
+        for path in ("/experience/999999999999999999999999999999", "/api/generations/99999999999999999999",
+                     "/api/experience?before=9223372036854775808", "/api/audit?before=9223372036854775808"):  # fmt: skip
+            assert c.get(path).status_code == 422, path
+    with pytest.raises(RatchetError, match="at least 16"):
+        create_app(Settings(home=read_settings.home, admin_token="short"))
+
+
+def test_sign_out_ends_the_session_and_wrong_tokens_are_throttled(acting_home):
+    import re
+
+    settings = Settings(home=acting_home, admin_token="s3cret-token-0123456789")
+    with TestClient(
+        create_app(settings, allowed_hosts=["testserver"]),
+        base_url="https://testserver",
+        follow_redirects=False,
+    ) as c:
+        c.post("/login", data={"token": "s3cret-token-0123456789"})
+        cookie = c.cookies.get("ratchet_session")
+        csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', c.get("/").text).group(1)
+        assert c.post("/logout", data={}).status_code == 403  # a cross-site form cannot sign anyone out
+        assert c.post("/logout", data={"csrf": csrf}).status_code == 303
+        c.cookies.set("ratchet_session", cookie)  # the old cookie, replayed
+        assert c.post("/rollback", data={"csrf": csrf}).status_code == 401
+        for _ in range(20):
+            assert (
+                c.post(
+                    "/api/rollback", headers={"Authorization": "Bearer wrong-guess-0000000000"}
+                ).status_code
+                == 401
+            )
+        throttled = c.post("/api/rollback", headers={"Authorization": "Bearer s3cret-token-0123456789"})
+        assert throttled.status_code == 429 and "too many" in throttled.json()["detail"]

@@ -34,7 +34,7 @@ def browser():
 
 
 def test_click_through_the_dashboard(browser, acting_home, tmp_path):
-    settings = Settings(home=acting_home, admin_token="browser-token")
+    settings = Settings(home=acting_home, admin_token="browser-token-0123456789")
     ids = served_trace_ids(settings)
     shots = tmp_path / "screenshots"
     shots.mkdir()
@@ -95,7 +95,7 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         page.screenshot(path=str(shots / "hostile.png"), full_page=True)
 
         page.get_by_role("link", name="sign in").click()
-        page.fill('input[name="token"]', "browser-token")
+        page.fill('input[name="token"]', "browser-token-0123456789")
         page.click('button[type="submit"]')
         page.wait_for_url(srv.url + "/")
         cookie = next(c for c in page.context.cookies() if c["name"] == "ratchet_session")

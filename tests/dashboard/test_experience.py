@@ -143,3 +143,36 @@ def test_newer_pages_walk_back_up(engine):
     assert [t["id"] for t in older["traces"]] == ids[101:111]
     assert [t["id"] for t in newer["traces"]] == ids[91:101]
     assert [t["id"] for t in text["traces"]] == ids[-6:-1]
+
+
+def test_cursors_beyond_the_table_are_clamped_and_newer_scans_continue_upwards(engine, monkeypatch):
+    truth = _seed(engine)
+    monkeypatch.setattr(experience, "FIRST_WINDOW", 100)
+    expected = sorted(eid for eid, t in truth.items() if t["i"] % 97 == 0)
+    with Session(engine) as s:
+        far = list_experience(
+            session=s, lineage="main", query=ExperienceQuery(q="needle", before=2**62), budget_s=0.0
+        )
+        assert (
+            far["searched_to"] is not None and far["searched_to"] > max(truth) - 200
+        )  # one window, not the table
+        seen, after = [], 0
+        for _ in range(1000):  # walking up from the oldest trace, a window at a time
+            page = list_experience(session=s, lineage="main", query=ExperienceQuery(q="needle", after=after, limit=3), budget_s=0.0)  # fmt: skip
+            seen += sorted(t["id"] for t in page["traces"])
+            if page["newer"] is None:
+                break
+            after = page["newer"]
+    assert seen == expected
+
+
+def test_a_tool_call_answer_is_previewed_by_its_name(engine):
+    with Session(engine) as s, s.begin():
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "set a timer"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "set_timer", "arguments": "{}"}}]}]  # fmt: skip
+        insert_traces(session=s, rows=[TraceRow(content_hash="t" * 64, messages=json.dumps(messages), metadata="{}",
+                                                feedback=None, routes="[]", specialist="agent", source="import")])  # fmt: skip
+        page = list_experience(session=s, lineage="main", query=ExperienceQuery())
+    (trace,) = page["traces"]
+    assert trace["prompt"] == "set a timer" and trace["answer"] == "tool call set_timer"
