@@ -175,13 +175,15 @@ def create_app(
         lineage: Lineage = lineage_name,
         specialist: Annotated[str | None, Query(max_length=100)] = None,
         change: Annotated[str | None, Query(max_length=20)] = None,
+        offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
     ) -> dict[str, Any]:
         """The generation against its parent item by item on the held-out suites."""
         if change and change not in comparison.CHANGES:
             raise RatchetError(f"unknown change {change!r}: expected one of {', '.join(comparison.CHANGES)}")
         return comparison.item_comparison(
-            session=db, lineage=lineage, number=number, specialist=specialist or None, change=change or None
-        )
+            session=db, lineage=lineage, number=number, specialist=specialist or None, change=change or None,
+            offset=offset,
+        )  # fmt: skip
 
     @both("/generations/{number}/items/{specialist}/{position}", "item.html")
     def item_view(

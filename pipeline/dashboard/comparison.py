@@ -32,11 +32,21 @@ def _change(parent: float, candidate: float, solved: float) -> str:
     return "unchanged"
 
 
+ROWS_PER_PAGE = 300
+
+
 def item_comparison(
-    *, session: Session, lineage: str, number: int, specialist: str | None = None, change: str | None = None
+    *,
+    session: Session,
+    lineage: str,
+    number: int,
+    specialist: str | None = None,
+    change: str | None = None,
+    offset: int = 0,
 ) -> dict[str, Any]:
     """The candidate against its parent item by item on the held-out suites: newly solved (total at or
-    above the contract's ``selection.min_score``), newly failed, better, worse, unchanged."""
+    above the contract's ``selection.min_score``), newly failed, better, worse, unchanged; counts of all of
+    them, and ``ROWS_PER_PAGE`` items from ``offset`` (a suite is a fixed, bounded list: offsets are fine)."""
     from pipeline.contract import stored_contract
     from pipeline.registry import EvaluationItem
 
@@ -79,7 +89,10 @@ def item_comparison(
         "parent": None if gen.parent_id is None else _parent_number(session, gen),
         "solved_at": solved,
         "counts": counts,
-        "rows": items,
+        "rows": items[offset : offset + ROWS_PER_PAGE],
+        "matching": len(items),
+        "offset": offset,
+        "next_offset": offset + ROWS_PER_PAGE if offset + ROWS_PER_PAGE < len(items) else None,
         "filters": {"specialist": specialist, "change": change},
     }
 

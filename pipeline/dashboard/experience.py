@@ -26,7 +26,8 @@ SCAN_BUDGET_S = 0.15  # per page, for filters no index serves
 FIRST_WINDOW = 20_000  # ids per scanned window (doubled while the budget lasts, up to MAX_WINDOW)
 TURNS_PER_PAGE = 200  # messages of one trace per page
 VIEWS_PER_PAGE = 10  # each rebuilt view reads the conversation before it: bounded per page
-MAX_WINDOW = 160_000  # one window's query must stay well inside the budget (a page stops between windows)
+MAX_WINDOW = 160_000
+MIN_WINDOW = 1_000
 
 
 class ExperienceQuery(BaseModel):
@@ -156,14 +157,22 @@ def list_experience(
         )
         conditions.append(text_match)
     scanned = scanned or len(conditions) > indexed
-    joined = e.outerjoin(
-        s, and_(s.c.experience_id == e.c.id, s.c.contract_version_id == contract_id, s.c.scorer == "total")
-    )
     prompt, answer, tool = _previews(e.c.messages, session.get_bind().dialect.name)
-    columns = select(
-        e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.generation_id, e.c.feedback, prompt, answer, tool,
-        s.c.value, s.c.verified,
-    ).select_from(joined)  # fmt: skip
+
+    def columns(*bounds: Any) -> Any:
+        # the id window bounds the score side of the join too: PostgreSQL then probes the score index for
+        # the window's ids instead of hashing every score of the contract (an anti-join for "unscored")
+        on = and_(
+            s.c.experience_id == e.c.id,
+            s.c.contract_version_id == contract_id,
+            s.c.scorer == "total",
+            *bounds,
+        )
+        return select(
+            e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.generation_id, e.c.feedback, prompt, answer,
+            tool, s.c.value, s.c.verified,
+        ).select_from(e.outerjoin(s, on))  # fmt: skip
+
     newer = query.after is not None and query.before is None
     order = e.c.id.asc() if newer else e.c.id.desc()
     # two single-aggregate queries: SQLite answers each from the primary key, a min and max together scan
@@ -175,26 +184,31 @@ def list_experience(
         before = min(query.before, highest + 1) if query.before is not None else highest + 1
         after = max(query.after, lowest - 1) if newer and query.after is not None else lowest - 1
         if not scanned:
-            stmt = (
-                columns.where(*conditions, e.c.id > after)
-                if newer
-                else columns.where(*conditions, e.c.id < before)
+            cursor = e.c.id > after if newer else e.c.id < before
+            rows = list(
+                session.execute(columns().where(*conditions, cursor).order_by(order).limit(query.limit + 1))
             )
-            rows = list(session.execute(stmt.order_by(order).limit(query.limit + 1)))
         else:
             started, window = time.perf_counter(), FIRST_WINDOW
             edge = after + 1 if newer else before
             while len(rows) <= query.limit:
                 lo, hi = (edge, edge + window) if newer else (edge - window, edge)
-                stmt = columns.where(*conditions, e.c.id >= lo, e.c.id < hi)
+                bounds = (s.c.experience_id >= lo, s.c.experience_id < hi)
+                stmt = columns(*bounds).where(*conditions, e.c.id >= lo, e.c.id < hi)
+                window_started = time.perf_counter()
                 rows += list(session.execute(stmt.order_by(order).limit(query.limit + 1 - len(rows))))
+                now = time.perf_counter()
                 edge = hi if newer else lo
                 if (edge > highest) if newer else (edge <= lowest):
                     break
-                if time.perf_counter() - started > budget_s and len(rows) <= query.limit:
+                left = budget_s - (now - started)
+                if left <= 0 and len(rows) <= query.limit:
                     searched_to = edge  # stopped early: the ids beyond ``edge`` are not searched yet
                     break
-                window = min(window * 2, MAX_WINDOW)
+                # the next window is as large as the time left allows at the rate this one ran (at least
+                # MIN_WINDOW ids, so that a page always gets on), doubling at most
+                rate = window / max(now - window_started, 1e-6)
+                window = int(max(MIN_WINDOW, min(window * 2, MAX_WINDOW, rate * max(left, 0.0))))
     more = len(rows) > query.limit
     rows = rows[: query.limit]
     if newer:

@@ -28,33 +28,77 @@ def lineage_names(*, session: Session) -> list[str]:
     return list(session.scalars(select(Generation.lineage).distinct().order_by(Generation.lineage)))
 
 
-def _generations(session: Session, lineage: str) -> list[Generation]:
+# Each generation's summary (what the tree, the table and the trends need), parsed once from its row and kept
+# while the row's ``updated_at`` stays the same: a decided generation never changes, so a lineage page reads
+# two small columns per generation instead of every evaluation's item scores and every state document.
+_SUMMARIES: dict[tuple[str, int, str], dict[str, Any]] = {}
+_SUMMARY_LIMIT = 100_000
+
+
+def _summarise(gen: Generation) -> dict[str, Any]:
+    ev = gen.evaluation or {}
+    steps = (gen.state or {}).get("steps") or {}
+    items = ev.get("items") or {}
+    return {
+        "id": gen.id,
+        "number": gen.number,
+        "parent_id": gen.parent_id,
+        "status": gen.status,
+        "decision": gen.decision,
+        "created_at": gen.created_at.isoformat(),
+        "harness_version_id": gen.harness_version_id,
+        "harness": f"{gen.harness_version.name} {gen.harness_version.version}",
+        "contract": f"{gen.contract_version.name} {gen.contract_version.version}",
+        "overall": ev.get("overall"),
+        "parent_overall": ev.get("parent_overall"),
+        "attempt": ev.get("attempt"),
+        "means": {s: _mean_interval(v.get("candidate") or []) for s, v in items.items()},
+        "parent_means": {s: _mean_interval(v.get("parent") or []) for s, v in items.items()},
+        "router": (ev.get("router") or {}).get("accuracy"),
+        "parent_router": (ev.get("parent_router") or {}).get("accuracy"),
+        "trained": bool((steps.get("train") or {}).get("adapters")),
+        "methods": sorted(
+            {str((a.adapter.metrics or {}).get("method", "sft")) for a in gen.adapters if a.adapter}
+        ),
+    }
+
+
+def _summaries(session: Session, lineage: str) -> list[dict[str, Any]]:
     from pipeline.registry import Generation, GenerationAdapter
 
-    return list(
-        session.scalars(
+    url = session.get_bind().url.render_as_string(hide_password=True)
+    heads = session.execute(
+        select(Generation.id, Generation.updated_at)
+        .where(Generation.lineage == lineage)
+        .order_by(Generation.number)
+    ).all()
+    keys = [(url, i, str(updated)) for i, updated in heads]
+    missing = [k[1] for k in keys if k not in _SUMMARIES]
+    if len(_SUMMARIES) + len(missing) > _SUMMARY_LIMIT:
+        _SUMMARIES.clear()
+        missing = [k[1] for k in keys]
+    for chunk in range(0, len(missing), 500):
+        rows = session.scalars(
             select(Generation)
-            .where(Generation.lineage == lineage)
+            .where(Generation.id.in_(missing[chunk : chunk + 500]))
             .options(
                 selectinload(Generation.adapters).selectinload(GenerationAdapter.adapter),
                 selectinload(Generation.harness_version),
                 selectinload(Generation.contract_version),
             )
-            .order_by(Generation.number)
         )
-    )
+        for gen in rows:
+            _SUMMARIES[(url, gen.id, str(gen.updated_at))] = _summarise(gen)
+    return [_SUMMARIES[k] for k in keys if k in _SUMMARIES]
 
 
-def _method(gen: Generation, parent_harness_id: int | None) -> str:
+def _method(summary: dict[str, Any], parent: dict[str, Any] | None) -> str:
     """How the generation was built, in a few words: its new adapters' training method, and whether
     co-design changed the harness."""
-    steps = (gen.state or {}).get("steps") or {}
-    if gen.parent_id is None:
+    if summary["parent_id"] is None:
         return "base"
-    methods = sorted({str((a.adapter.metrics or {}).get("method", "sft")) for a in gen.adapters if a.adapter})
-    trained = (steps.get("train") or {}).get("adapters") or {}
-    label = "+".join(methods) if trained else "no new adapters"
-    if parent_harness_id is not None and gen.harness_version_id != parent_harness_id:
+    label = "+".join(summary["methods"]) if summary["trained"] else "no new adapters"
+    if parent is not None and summary["harness_version_id"] != parent["harness_version_id"]:
         label += " + harness"
     return label
 
@@ -62,28 +106,27 @@ def _method(gen: Generation, parent_harness_id: int | None) -> str:
 def lineage_overview(*, session: Session, lineage: str) -> dict[str, Any]:
     """Every generation of ``lineage`` as a node (status, overall held-out score, method), the champion,
     and the held-out score of generation 0 and of the champion (the improvement at a glance)."""
-    gens = _generations(session, lineage)
+    gens = _summaries(session, lineage)
     if not gens:
         raise NotFoundError(f"lineage {lineage!r} has no generations: run `ratchet init`")
-    numbers = {g.id: g.number for g in gens}
-    harness_of = {g.id: g.harness_version_id for g in gens}
+    by_id = {g["id"]: g for g in gens}
     nodes = []
     for g in gens:
-        ev = g.evaluation or {}
+        parent = by_id.get(g["parent_id"])
         nodes.append(
             {
-                "number": g.number,
-                "parent": numbers.get(g.parent_id),
-                "status": g.status,
-                "overall": ev.get("overall"),
-                "parent_overall": ev.get("parent_overall"),
-                "attempt": ev.get("attempt"),
-                "method": _method(g, harness_of.get(g.parent_id)),
-                "champion": g.status == "promoted",
-                "harness": f"{g.harness_version.name} {g.harness_version.version}",
-                "contract": f"{g.contract_version.name} {g.contract_version.version}",
-                "decision": g.decision,
-                "created_at": g.created_at.isoformat(),
+                "number": g["number"],
+                "parent": parent["number"] if parent else None,
+                "status": g["status"],
+                "overall": g["overall"],
+                "parent_overall": g["parent_overall"],
+                "attempt": g["attempt"],
+                "method": _method(g, parent),
+                "champion": g["status"] == "promoted",
+                "harness": g["harness"],
+                "contract": g["contract"],
+                "decision": g["decision"],
+                "created_at": g["created_at"],
             }
         )
     champion = next((n for n in nodes if n["champion"]), None)
@@ -94,8 +137,10 @@ def lineage_overview(*, session: Session, lineage: str) -> dict[str, Any]:
         "champion": champion["number"] if champion else None,
         "first_overall": first["overall"],
         "champion_overall": champion["overall"] if champion else None,
-        "promotions": sum(1 for g in gens if g.parent_id is not None and g.status in ("promoted", "retired")),
-        "rejections": sum(1 for g in gens if g.status == "rejected"),
+        "promotions": sum(
+            1 for g in gens if g["parent_id"] is not None and g["status"] in ("promoted", "retired")
+        ),
+        "rejections": sum(1 for g in gens if g["status"] == "rejected"),
     }
 
 
@@ -209,7 +254,9 @@ def generation_detail(
         },
         "base_model": gen.base_model.name,
         "created_at": gen.created_at.isoformat(),
-        "method": _method(gen, parent.harness_version_id if parent else None),
+        "method": _method(
+            _summarise(gen), {"harness_version_id": parent.harness_version_id} if parent else None
+        ),
         "adapters": adapters,
         "heldout": {
             "specialists": specialists,
@@ -276,37 +323,32 @@ def _mean_interval(values: list[float]) -> tuple[float, float, float] | None:
 def trends(*, session: Session, lineage: str) -> dict[str, Any]:
     """Held-out score per specialist over generations with 95% intervals (from the stored item scores),
     and router accuracy, for every evaluated generation; generation 0 from its first evaluation."""
-    gens = _generations(session, lineage)
+    gens = _summaries(session, lineage)
+    numbers = {g["id"]: g["number"] for g in gens}
     scores: dict[str, list[dict[str, Any]]] = {}
     router: list[dict[str, Any]] = []
-    first_parent_done = False
+
+    def point(s: str, number: int, m: tuple[float, float, float] | None, status: str) -> None:
+        if m:
+            scores.setdefault(s, []).append(
+                {"generation": number, "score": m[0], "low": m[1], "high": m[2], "status": status}
+            )
+
+    first = next((g for g in gens if g["means"]), None)
+    if first is not None and first["parent_id"] in numbers:  # the parent of the first evaluated candidate
+        for s, m in first["parent_means"].items():
+            point(s, numbers[first["parent_id"]], m, "base")
+        if first["parent_router"] is not None:
+            router.append(
+                {
+                    "generation": numbers[first["parent_id"]],
+                    "accuracy": first["parent_router"],
+                    "status": "base",
+                }
+            )
     for g in gens:
-        ev = g.evaluation or {}
-        items = ev.get("items") or {}
-        if items and not first_parent_done:  # the parent of the first evaluated candidate: generation 0
-            first_parent_done = True
-            parent_number = next((p.number for p in gens if p.id == g.parent_id), None)
-            if parent_number is not None:
-                for s, v in items.items():
-                    m = _mean_interval(v["parent"])
-                    if m:
-                        scores.setdefault(s, []).append(
-                            {
-                                "generation": parent_number,
-                                "score": m[0],
-                                "low": m[1],
-                                "high": m[2],
-                                "status": "base",
-                            }
-                        )
-                if ev.get("parent_router"):
-                    router.append({"generation": parent_number, "accuracy": ev["parent_router"]["accuracy"]})
-        for s, v in items.items():
-            m = _mean_interval(v["candidate"])
-            if m:
-                scores.setdefault(s, []).append(
-                    {"generation": g.number, "score": m[0], "low": m[1], "high": m[2], "status": g.status}
-                )
-        if ev.get("router") and items:
-            router.append({"generation": g.number, "accuracy": ev["router"]["accuracy"], "status": g.status})
+        for s, m in g["means"].items():
+            point(s, g["number"], m, g["status"])
+        if g["router"] is not None and g["means"]:
+            router.append({"generation": g["number"], "accuracy": g["router"], "status": g["status"]})
     return {"lineage": lineage, "scores": scores, "router": router}

@@ -105,6 +105,8 @@ def test_item_comparison_matches_the_stored_evaluation(client, read_settings):
     page = client.get(f"/generations/1/items/{first['specialist']}/{first['position']}").text
     assert "Parent (generation 0)" in page and "Generation 1 ·" in page
     assert client.get("/api/generations/1/items?change=sideways").status_code == 400
+    tail = client.get("/api/generations/1/items", params={"offset": 70}).json()
+    assert tail["matching"] == 80 and tail["rows"] == data["rows"][70:] and tail["next_offset"] is None
 
 
 def test_provenance_both_ways(client, read_settings):
