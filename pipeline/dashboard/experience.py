@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["ExperienceQuery", "list_experience", "message_text", "trace_detail"]
 
 SCAN_BUDGET_S = 0.15  # per page, for filters no index serves
-FIRST_WINDOW = 20_000  # ids per scanned window (doubled while the budget lasts, up to MAX_WINDOW)
+FIRST_WINDOW = 2_000  # ids in the first scanned window; the next ones are sized to the time left
 TURNS_PER_PAGE = 200  # messages of one trace per page
 VIEWS_PER_PAGE = 10  # each rebuilt view reads the conversation before it: bounded per page
 MAX_WINDOW = 160_000
