@@ -88,6 +88,11 @@ def create_app(
         openapi_url="/api/openapi.json",
     )
     app.state.access, app.state.settings, app.state.lineage = access, settings, lineage_name
+    with factory() as session:  # the lineage's summaries parsed now, not on the first page view
+        try:
+            lineage_data.lineage_overview(session=session, lineage=lineage_name)
+        except NotFoundError:
+            pass
 
     def db() -> Iterator[Session]:
         session = factory()

@@ -55,9 +55,9 @@ def dump_json(value: Any) -> str:
 
 
 def load_json(text: str) -> Any:
-    """Parse a stored JSON document: orjson, several times faster, unless the text holds a number of 19
-    or more digits (orjson would round an integer beyond 64 bits to a float) or something orjson refuses
-    but Python wrote (NaN); those go to the standard parser, which is exact."""
+    """Parse a stored JSON document: orjson, several times faster, unless the text holds an integer of 19
+    or more digits (orjson would round one beyond 64 bits to a float) or something orjson refuses but Python
+    wrote (NaN); those go to the standard parser, which is exact."""
     if _LONG_NUMBER.search(text) is None:
         try:
             return orjson.loads(text)
@@ -66,7 +66,8 @@ def load_json(text: str) -> Any:
     return json.loads(text)
 
 
-_LONG_NUMBER = re.compile(r"\d{19}")
+# an integer of 19 or more digits (a float's long fraction or exponent is not one: orjson parses those exactly)
+_LONG_NUMBER = re.compile(r"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
 
 
 def sqlite_timestamp(value: datetime) -> str:
