@@ -205,10 +205,10 @@ def list_experience(
                 if left <= 0 and len(rows) <= query.limit:
                     searched_to = edge  # stopped early: the ids beyond ``edge`` are not searched yet
                     break
-                # the next window is as large as the time left allows at the rate this one ran (at least
+                # the next window takes at most half the time left at the rate this one ran (at least
                 # MIN_WINDOW ids, so that a page always gets on), doubling at most
                 rate = window / max(now - window_started, 1e-6)
-                window = int(max(MIN_WINDOW, min(window * 2, MAX_WINDOW, rate * max(left, 0.0))))
+                window = int(max(MIN_WINDOW, min(window * 2, MAX_WINDOW, rate * max(left, 0.0) / 2)))
     more = len(rows) > query.limit
     rows = rows[: query.limit]
     if newer:
