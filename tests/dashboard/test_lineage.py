@@ -26,3 +26,23 @@ def test_mlflow_links_only_for_a_server():
     )
     assert mlflow_run_link("https://mlflow.example", None, "abc") == "https://mlflow.example/#/runs/abc"
     assert mlflow_run_link("http://127.0.0.1:5000", "7", None) is None
+
+
+def test_held_out_answers_are_read_only_by_evaluation_and_the_dashboard():
+    """``evaluation_items`` holds held-out items and both pairs' answers: no step that collects, curates,
+    trains, co-designs, routes or serves may read it (a held-out item must never reach what the model learns
+    from or is prompted with)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "pipeline"
+    readers = {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if "EvaluationItem" in p.read_text() or "evaluation_items" in p.read_text()
+    }
+    assert readers == {
+        "registry/models.py",
+        "registry/__init__.py",
+        "evaluation.py",
+        "dashboard/comparison.py",
+    }
