@@ -45,7 +45,7 @@ class Verdict:
         return ("promote: " if self.promote else "reject: ") + "; ".join(self.reasons)
 
 
-def _quantile(q: float, df: float) -> float:
+def t_quantile(q: float, df: float) -> float:
     """The ``q`` quantile of Student's t with ``df`` degrees of freedom (normal for infinite ``df``)."""
     from scipy.stats import norm, t
 
@@ -63,7 +63,7 @@ def judge(
 ) -> Verdict:
     """Apply the promotion gates to a paired comparison (see the module doc)."""
     rate = gates.attempt_rate(attempt)
-    lower = comparison.delta - _quantile(1 - rate, comparison.df) * comparison.se
+    lower = comparison.delta - t_quantile(1 - rate, comparison.df) * comparison.se
     verdict = Verdict(promote=True, attempt=attempt, rate=rate, lower=lower)
     reasons = verdict.reasons
     if not comparison.specialists:
@@ -96,7 +96,7 @@ def judge(
     z = 1 - gates.regression_error_rate
     for s, c in comparison.specialists.items():
         tol = gates.tolerance(s)
-        floor = c.delta - _quantile(z, max(1, c.n - 1)) * c.se
+        floor = c.delta - t_quantile(z, max(1, c.n - 1)) * c.se
         if floor <= -tol:
             verdict.promote = False
             reasons.append(

@@ -83,11 +83,10 @@ class ExperienceQuery(BaseModel):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A message's text: its content (text parts joined), else its tool calls as ``name(arguments)``."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    text = "" if content is None else str(content)
+    """A message's text (``serving.router.message_text``), else its tool calls as ``name(arguments)``."""
+    from pipeline.serving.router import message_text as content_text
+
+    text = content_text(message)
     calls = message.get("tool_calls") or []
     if calls and not text:
         text = "; ".join(

@@ -150,12 +150,6 @@ def get_generation_row(session: Session, lineage: str, number: int) -> Generatio
     return get_generation(session=session, number=number, lineage=lineage)
 
 
-def _t(q: float, df: float) -> float:
-    from scipy.stats import norm, t
-
-    return float(norm.ppf(q) if math.isinf(df) or df <= 0 else t.ppf(q, df))
-
-
 def mlflow_run_link(tracking_uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
     """The MLflow UI's page of a run, when the tracking URI is a server (a local store has no UI to link)."""
     if not run_id or not tracking_uri or not tracking_uri.startswith(("http://", "https://")):
@@ -173,6 +167,7 @@ def generation_detail(
     held-out scores against the parent per specialist with deltas and intervals, the gate's verdict,
     router accuracy and confusion, and what curation kept and dropped."""
     from pipeline.contract import stored_contract
+    from pipeline.promotion import t_quantile  # the gates' own quantiles: the page shows what they computed
     from pipeline.registry import Generation, TrainingDataset
 
     gen = get_generation_row(session, lineage, number)
@@ -215,8 +210,8 @@ def generation_detail(
     specialists = []
     for s, c in sorted((comparison.get("specialists") or {}).items()):
         n = int(c["n"])
-        half = _t(0.975, n - 1) * c["se"] if n > 1 else z95 * c["se"]
-        floor = c["delta"] - _t(1 - gates.regression_error_rate, max(1, n - 1)) * c["se"]
+        half = t_quantile(0.975, n - 1) * c["se"] if n > 1 else z95 * c["se"]
+        floor = c["delta"] - t_quantile(1 - gates.regression_error_rate, max(1, n - 1)) * c["se"]
         specialists.append(
             {
                 "specialist": s,
