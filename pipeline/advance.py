@@ -4,41 +4,48 @@ This module only orchestrates. Each step is a plain function in the module named
 (``collection``, ``scoring``, ``curation``, ``training``, ``codesign``, ``evaluation``, ``promotion``)
 that records what it did in the candidate's ``state`` (``pipeline.candidate``), so that ``advance`` run
 again after a crash continues the same candidate from the first step not yet done. A lease on the
-candidate keeps a second ``advance`` from building it at the same time: that run exits with a clear
-message instead.
+candidate (``pipeline.lease``: renewed while a step runs, proven on every write) keeps a second ``advance``
+from building it at the same time: that run exits with a clear message instead, unless the lease's owner is
+gone (its process dead on this host, or no renewal), in which case it is marked crashed and taken over.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pipeline.candidate import STEPS, AdvanceConfig, Progress, done_steps
 from pipeline.errors import ConflictError, RatchetError
+from pipeline.lease import Lease, owner_gone, owner_id
 
 if TYPE_CHECKING:
     from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STEPS", "AdvanceConfig", "advance_once", "begin_candidate", "release_candidate", "step_functions"]
-
-
-def owner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+__all__ = [
+    "STEPS",
+    "AdvanceConfig",
+    "advance_once",
+    "begin_candidate",
+    "owner_id",
+    "release_candidate",
+    "step_functions",
+]
 
 
 def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
-    """Resume the lineage's in-flight candidate or create the next one from the champion; take its lease."""
+    """Resume the lineage's in-flight candidate or create the next one from the champion; take its lease.
+
+    A lease whose owner is gone (``lease.owner_gone``) is taken over at once, and the crash is recorded."""
     from sqlalchemy import or_, update
 
     from pipeline.registry import (
         Generation,
+        audit,
         create_generation,
         get_champion,
         get_engine,
@@ -65,19 +72,36 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
                 state={"steps": {}, "config": config.__dict__},
             )
         now = utcnow()
+        previous = gen.lease_owner
+        gone = owner_gone(previous, gen.lease_expires_at, now) if previous and previous != owner else None
+        allowed = [Generation.lease_owner.is_(None), Generation.lease_owner == owner]
+        if gone:  # compare-and-swap on the dead owner's name: two runs taking over cannot both win
+            allowed.append(Generation.lease_owner == previous)
         taken = session.execute(
             update(Generation)
             .where(Generation.id == gen.id)
-            .where(
-                or_(
-                    Generation.lease_owner.is_(None),
-                    Generation.lease_owner == owner,
-                    Generation.lease_expires_at < now,
-                )
-            )
+            .where(or_(*allowed))
             .values(lease_owner=owner, lease_expires_at=now + timedelta(seconds=config.lease_seconds))
             .execution_options(synchronize_session=False)
         ).rowcount
+        if taken and gone:
+            session.refresh(gen)
+            state = dict(gen.state or {})
+            crashes = [
+                *state.get("crashes", []),
+                {"owner": previous, "step": gen.step, "why": gone, "at": str(now)},
+            ]
+            gen.state = {**state, "crashes": crashes}
+            audit(
+                session=session,
+                actor=owner,
+                entity="generations",
+                entity_id=gen.id,
+                action="crashed",
+                details={"number": gen.number, "owner": previous, "after_step": gen.step},
+                message=f"the run {previous} crashed ({gone}); taken over by {owner}",
+            )
+            log.warning("generation %d: the run %s crashed (%s); continuing it", gen.number, previous, gone)
         if not taken:
             session.refresh(gen)
             raise ConflictError(
@@ -134,10 +158,22 @@ def advance_once(
 ) -> dict[str, Any]:
     """Build (or resume) one candidate and decide on it. ``run_step(name, fn, **kwargs)`` lets the Prefect
     flow run each step as a task; by default steps are called directly."""
+    from pipeline.registry import get_engine
+
     owner = owner_id()
     generation_id = begin_candidate(config=config, owner=owner)
+    lease = Lease(generation_id, owner, config.lease_seconds, get_engine()).start()
     manage_gc = gc.get_freeze_count() == 0  # a caller that froze objects itself manages collection
     try:
+        if tracker is not None:  # a promotion whose aliases MLflow missed (it was down) is repaired first
+            from pipeline.promotion import sync_champion_aliases
+
+            try:
+                sync_champion_aliases(lineage=config.lineage, tracker=tracker)
+            except RatchetError as exc:
+                if exc.__cause__ is not None:  # MLflow unreachable: training could not be tracked either
+                    raise exc.__cause__ from None
+                log.warning("%s", exc)
         done = done_steps(generation_id)
         outcome: dict[str, Any] = {}
         for step in STEPS:
@@ -157,6 +193,7 @@ def advance_once(
             outcome = run_step(step, fn, **kwargs) if run_step else fn(**kwargs)
         return outcome
     finally:
+        lease.stop()
         if manage_gc:  # back to normal collection once the generation is over
             gc.unfreeze()
         release_candidate(generation_id=generation_id, owner=owner)

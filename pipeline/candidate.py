@@ -42,7 +42,9 @@ class AdvanceConfig:
     validation_items: int = 48  # per specialist, for choosing among harness variants
     codesign: bool = True
     seed: int = 0
-    lease_seconds: int = 1800
+    # Renewed every quarter of it while a step runs: a run that stopped (elsewhere than on this host, where
+    # a dead process is seen at once) is taken over this long after its last renewal.
+    lease_seconds: int = 60
 
 
 def step_seed(config: AdvanceConfig, number: int, salt: str) -> int:

@@ -11,22 +11,30 @@
 - **routing**: the router's accuracy on the contract's routing suite has not dropped below the parent's
   by more than ``routing.max_accuracy_drop``.
 
-The verdict's reasons say all of it in words and numbers. ``decide_step`` applies it: the registry's
-champion and the MLflow alias ``champion`` of each adapter move together in one transaction.
+The verdict's reasons say all of it in words and numbers. ``decide_step`` applies it. The registry is
+the truth about the champion: MLflow's ``champion`` alias of each specialist's adapter moves only after the
+registry's commit (``sync_champion_aliases``), and where that fails (MLflow unreachable between the two) the
+next sync (``ratchet advance``, ``ratchet promote``/``rollback``, ``ratchet sync-aliases``) repairs it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.candidate import AdvanceConfig, Progress, load_generation, mark_step
+from pipeline.errors import RatchetError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
     from pipeline.contract import PromotionGates, RoutingSuite
     from pipeline.evaluation import Comparison
-    from pipeline.registry import Generation
     from pipeline.tracking import Tracker
 
 
@@ -121,11 +129,10 @@ def decide_step(
     tracker: Tracker | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Apply the gates' verdict: promote (registry champion and MLflow aliases in one step) or reject."""
+    """Apply the gates' verdict: promote or reject in the registry; then MLflow's champion aliases follow."""
     from pipeline.candidate import contract_of
     from pipeline.evaluation import Comparison
     from pipeline.registry import get_engine, promote_generation, session_scope, set_generation_status
-    from pipeline.tracking import registered_model_name
 
     with session_scope(get_engine()) as session:
         gen = load_generation(session, generation_id)
@@ -154,14 +161,6 @@ def decide_step(
             promote, decision = False, "reject: not evaluated"
         if promote:
             promote_generation(session=session, generation=gen, reason=decision, actor="advance")
-            if tracker is not None:  # inside the transaction: an alias failure rolls the promotion back
-                for slot in gen.adapters:
-                    if slot.adapter is not None and slot.adapter.mlflow_model_version:
-                        tracker.set_alias(
-                            registered_model_name(config.lineage, slot.specialist),
-                            "champion",
-                            slot.adapter.mlflow_model_version,
-                        )
             status = "promoted"
         else:
             set_generation_status(
@@ -169,26 +168,62 @@ def decide_step(
             )
             status = "rejected"
         mark_step(session, gen, "decide", {"status": status})
-        gen.lease_owner, gen.lease_expires_at = None, None
-        return {
+        outcome = {
             "generation": gen.number,
             "status": status,
             "decision": decision,
             "overall": evaluation.get("overall"),
             "parent_overall": evaluation.get("parent_overall"),
         }
+    if promote:  # after the commit: the registry decided, the aliases follow (or the next sync repairs them)
+        try:
+            sync_champion_aliases(lineage=config.lineage, tracker=tracker)
+        except RatchetError as exc:
+            log.warning("%s", exc)
+            outcome["aliases"] = str(exc)
+    return outcome
 
 
-def move_champion_aliases(gen: Generation, lineage: str, tracker: Tracker | None) -> None:
-    """Point each specialist's MLflow ``champion`` alias at ``gen``'s adapter (or remove it): after a manual
-    promotion or a rollback, inside the registry's transaction, so a failure here undoes both."""
-    from pipeline.tracking import registered_model_name
+def sync_champion_aliases(
+    *, lineage: str, tracker: Tracker | Callable[[], Tracker] | None, engine: Engine | None = None
+) -> int:
+    """Point each specialist's MLflow ``champion`` alias at the registry champion's adapter (or remove it
+    where the champion has none registered); returns how many aliases were set. Idempotent: run after every
+    champion move's commit, and again at the next advance in case MLflow was unreachable the first time.
+
+    ``tracker`` may be a function that makes it (opening MLflow can fail too, and is reported the same way).
+    An MLflow failure is one ``RatchetError`` saying that the registry has moved and how to repair."""
+    from pipeline.registry import get_champion, get_engine, session_scope
+    from pipeline.tracking import TrackingUnavailable, registered_model_name
 
     if tracker is None:
-        return
-    for slot in gen.adapters:
-        name = registered_model_name(lineage, slot.specialist)
-        if slot.adapter is not None and slot.adapter.mlflow_model_version:
-            tracker.set_alias(name, "champion", slot.adapter.mlflow_model_version)
-        else:
-            tracker.delete_alias(name, "champion")
+        return 0
+    with session_scope(engine or get_engine()) as session:
+        champion = get_champion(session=session, lineage=lineage)
+        if champion is None:
+            return 0
+        number = champion.number
+        wanted = {
+            slot.specialist: slot.adapter.mlflow_model_version if slot.adapter is not None else None
+            for slot in champion.adapters
+        }
+    done = 0
+    try:
+        if callable(tracker):
+            tracker = tracker()
+        for specialist, version in sorted(wanted.items()):
+            name = registered_model_name(lineage, specialist)
+            if version:
+                tracker.set_alias(name, "champion", version)
+                done += 1
+            else:
+                tracker.delete_alias(name, "champion")
+    except Exception as exc:  # MLflow's errors (HTTP, store) are many types; none may pass as a traceback
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = reason.removeprefix("error: ")
+        raise RatchetError(
+            f"generation {number} is the champion of {lineage!r} in the registry, but MLflow's champion "
+            f"aliases could not be moved ({reason[:200]}): `ratchet sync-aliases --lineage {lineage}` (or the "
+            "next `ratchet advance`) moves them once MLflow is reachable"
+        ) from (exc if isinstance(exc, TrackingUnavailable) else None)
+    return done

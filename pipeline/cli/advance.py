@@ -228,7 +228,7 @@ def promote_cmd(
     reason: Annotated[str, typer.Option(help="Why (kept in the audit log).")] = "manual override",
 ) -> None:
     """Make GENERATION the champion by hand (audited); refused when it makes no sense."""
-    from pipeline.promotion import move_champion_aliases
+    from pipeline.promotion import sync_champion_aliases
     from pipeline.registry import get_engine, get_generation, promote_generation, session_scope
 
     with session_scope(get_engine()) as session:
@@ -239,21 +239,29 @@ def promote_cmd(
                 "finish it first"
             )
         promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor="cli")
-        move_champion_aliases(gen, lineage, make_tracker())
+    sync_champion_aliases(lineage=lineage, tracker=make_tracker)  # after the commit: the registry decides
     typer.echo(f"generation {generation} is now the champion of {lineage!r}")
 
 
 @app.command("rollback")
 def rollback_cmd(lineage: LineageOpt = "main") -> None:
     """Retire the champion and restore its parent (audited)."""
-    from pipeline.promotion import move_champion_aliases
+    from pipeline.promotion import sync_champion_aliases
     from pipeline.registry import get_engine, rollback_champion, session_scope
 
     with session_scope(get_engine()) as session:
-        restored = rollback_champion(session=session, lineage=lineage, actor="cli")
-        move_champion_aliases(restored, lineage, make_tracker())
-        number = restored.number
+        number = rollback_champion(session=session, lineage=lineage, actor="cli").number
+    sync_champion_aliases(lineage=lineage, tracker=make_tracker)
     typer.echo(f"rolled back: generation {number} is the champion of {lineage!r} again")
+
+
+@app.command("sync-aliases")
+def sync_aliases_cmd(lineage: LineageOpt = "main") -> None:
+    """Point MLflow's `champion` aliases at the registry's champion (after MLflow was unreachable)."""
+    from pipeline.promotion import sync_champion_aliases
+
+    count = sync_champion_aliases(lineage=lineage, tracker=make_tracker)
+    typer.echo(f"{count} champion alias(es) of {lineage!r} match the registry")
 
 
 @app.command("demo")

@@ -6,6 +6,7 @@ the dashboard as the actor. Pages post forms and are redirected back (303); the 
 """
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -20,14 +21,14 @@ from pipeline.settings import Settings
 
 __all__ = ["action_routes", "promote", "rescore", "rollback"]
 
+log = logging.getLogger(__name__)
+
 
 def promote(
     *, factory: sessionmaker, settings: Settings, lineage: str, number: int, actor: str, reason: str
 ) -> dict[str, Any]:
     """Make generation ``number`` the champion (refused while it is being built); MLflow aliases follow."""
-    from pipeline.promotion import move_champion_aliases
     from pipeline.registry import get_generation, promote_generation
-    from pipeline.tracking import MLflowTracker
 
     with factory.begin() as session:
         gen = get_generation(session=session, number=number, lineage=lineage)
@@ -36,20 +37,35 @@ def promote(
                 f"generation {number} is still being built ({gen.status}): let `ratchet advance` finish it"
             )
         promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor=actor)
-        move_champion_aliases(gen, lineage, MLflowTracker.from_settings(settings))
-        return {"champion": gen.number, "lineage": lineage}
+    return _with_aliases({"champion": number, "lineage": lineage}, factory=factory, settings=settings)
 
 
 def rollback(*, factory: sessionmaker, settings: Settings, lineage: str, actor: str) -> dict[str, Any]:
     """Retire the champion and restore its parent; MLflow aliases follow."""
-    from pipeline.promotion import move_champion_aliases
     from pipeline.registry import rollback_champion
-    from pipeline.tracking import MLflowTracker
 
     with factory.begin() as session:
-        restored = rollback_champion(session=session, lineage=lineage, actor=actor)
-        move_champion_aliases(restored, lineage, MLflowTracker.from_settings(settings))
-        return {"champion": restored.number, "lineage": lineage}
+        number = rollback_champion(session=session, lineage=lineage, actor=actor).number
+    return _with_aliases({"champion": number, "lineage": lineage}, factory=factory, settings=settings)
+
+
+def _with_aliases(result: dict[str, Any], *, factory: sessionmaker, settings: Settings) -> dict[str, Any]:
+    """MLflow's champion aliases follow the committed move; where MLflow fails the move stands (the registry
+    is the truth) and the answer says how the aliases get repaired."""
+    from pipeline.errors import RatchetError
+    from pipeline.promotion import sync_champion_aliases
+    from pipeline.tracking import MLflowTracker
+
+    try:
+        sync_champion_aliases(
+            lineage=result["lineage"],
+            tracker=lambda: MLflowTracker.from_settings(settings),
+            engine=factory.kw["bind"],
+        )
+    except RatchetError as exc:
+        log.warning("%s", exc)
+        result["aliases"] = str(exc)
+    return result
 
 
 def rescore(*, factory: sessionmaker, lineage: str, experience_id: int, actor: str) -> dict[str, Any]:

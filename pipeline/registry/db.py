@@ -62,11 +62,61 @@ def _alembic_config(url: str):
     return cfg
 
 
+@contextmanager
+def _migration_lock(url: str) -> Iterator[object | None]:
+    """One migrating process at a time: PostgreSQL's session-level advisory lock (the migration runs on the
+    connection that holds it), or an exclusive ``flock`` on ``<registry>.lock`` beside a SQLite file.
+    Without it, eight processes opening a fresh registry at once all ran the first migration and six
+    failed with "table already exists"."""
+    parsed = make_url(url)
+    if parsed.drivername.startswith("postgresql"):
+        from sqlalchemy import text
+
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(hashtextextended('ratchet:migrate', 0))"))
+                conn.commit()
+                try:
+                    yield conn
+                finally:
+                    conn.rollback()
+                    conn.execute(text("SELECT pg_advisory_unlock(hashtextextended('ratchet:migrate', 0))"))
+                    conn.commit()
+        finally:
+            engine.dispose()
+    elif parsed.drivername.startswith("sqlite") and parsed.database and parsed.database != ":memory:":
+        import fcntl
+
+        with open(f"{parsed.database}.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file is closed, also if the process dies
+            try:
+                yield None
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+    else:
+        yield None
+
+
+def head_revision() -> str:
+    """The newest migration this code knows."""
+    from alembic.script import ScriptDirectory
+
+    return str(ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head())
+
+
 def upgrade_db(url: str, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` (Alembic is the only way the schema is made)."""
+    """Apply migrations up to ``revision`` (Alembic is the only way the schema is made), one process at a
+    time: a process that waited for another's migration finds the schema done and applies nothing."""
     from alembic import command
 
-    command.upgrade(_alembic_config(url), revision)
+    with _migration_lock(url) as connection:
+        cfg = _alembic_config(url)
+        if connection is not None:
+            cfg.attributes["connection"] = connection
+        command.upgrade(cfg, revision)
+        if connection is not None:
+            connection.commit()  # type: ignore[attr-defined]
 
 
 def downgrade_db(url: str, revision: str) -> None:
@@ -80,11 +130,19 @@ def downgrade_db(url: str, revision: str) -> None:
         raise RatchetError(f"cannot downgrade to {revision!r}: {exc}") from None
 
 
-def current_revision(url: str) -> str | None:
+def _revision_of(engine: Engine) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
-    with make_engine(url).connect() as conn:
+    with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
+
+
+def current_revision(url: str) -> str | None:
+    engine = make_engine(url)
+    try:
+        return _revision_of(engine)
+    finally:
+        engine.dispose()
 
 
 def get_engine(url: str | None = None, *, upgrade: bool = True) -> Engine:
@@ -101,7 +159,8 @@ def get_engine(url: str | None = None, *, upgrade: bool = True) -> Engine:
             engine = make_engine(url)
             if upgrade:
                 try:
-                    upgrade_db(url)
+                    if _revision_of(engine) != head_revision():  # the usual case costs one SELECT
+                        upgrade_db(url)
                 except Exception as exc:
                     if "OperationalError" in type(exc).__name__ or "connect" in str(exc).lower():
                         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
@@ -118,6 +177,20 @@ def dispose_engines() -> None:
         for engine in _engines.values():
             engine.dispose()
         _engines.clear()
+
+
+def hold_lock(*, session: Session, key: str) -> None:
+    """Hold the lock named ``key`` until the session's transaction ends, so that a read-then-write (the
+    next version number, the current champion, "is this name registered yet?") cannot interleave with
+    another process doing the same. PostgreSQL: a transaction-level advisory lock on the key's hash.
+    SQLite has one writer at a time: a write statement that changes nothing takes the database's write
+    lock (pysqlite begins the transaction at the first write), as ``BEGIN IMMEDIATE`` would."""
+    from sqlalchemy import text
+
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"), {"key": key})
+    else:
+        session.execute(text("UPDATE alembic_version SET version_num = version_num WHERE 0"))
 
 
 @contextmanager

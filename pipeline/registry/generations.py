@@ -9,6 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
+from pipeline.registry.db import hold_lock
 from pipeline.registry.models import (
     IN_FLIGHT,
     Adapter,
@@ -61,6 +62,7 @@ def create_generation(
         raise RatchetError(
             f"adapters given for unknown specialists {sorted(unknown)}; expected {specialists}"
         )
+    hold_lock(session=session, key=f"lineage:{lineage}")
     latest = session.scalar(select(func.max(Generation.number)).where(Generation.lineage == lineage))
     number = 0 if latest is None else latest + 1
     gen = Generation(
@@ -142,6 +144,8 @@ def set_generation_status(
 ) -> Generation:
     """Move a generation along its life cycle (checked against ``TRANSITIONS``) and audit it."""
     status = str(status)
+    hold_lock(session=session, key=f"lineage:{generation.lineage}")
+    session.refresh(generation)  # another process may have moved it since it was read
     before = generation.status
     if status != before and status not in TRANSITIONS[before]:
         raise ConflictError(f"generation {generation.number} cannot go from {before} to {status}")
@@ -168,7 +172,13 @@ def set_generation_status(
 def promote_generation(
     *, session: Session, generation: Generation, reason: str | None = None, actor: str = "ratchet"
 ) -> Generation:
-    """Make ``generation`` the lineage's champion; the previous champion is retired, in one transaction."""
+    """Make ``generation`` the lineage's champion; the previous champion is retired, in one transaction.
+
+    Champion moves of one lineage are serialized (``hold_lock``) and re-read what they act on, so racing
+    promotions and rollbacks leave exactly one champion and the later one either applies to the new state
+    or is refused with a ``ConflictError`` saying why."""
+    hold_lock(session=session, key=f"lineage:{generation.lineage}")
+    session.refresh(generation)
     if generation.status == GenerationStatus.promoted:
         raise ConflictError(f"generation {generation.number} is already the champion")
     if generation.status in (GenerationStatus.failed, GenerationStatus.training):
@@ -210,13 +220,23 @@ def promote_generation(
 
 def rollback_champion(*, session: Session, lineage: str = "main", actor: str = "user") -> Generation:
     """Retire the champion and restore its parent as champion (refused when there is no parent)."""
-    champion = get_champion(session=session, lineage=lineage)
+    hold_lock(session=session, key=f"lineage:{lineage}")
+    champion = session.scalar(
+        _load(session)
+        .where(Generation.lineage == lineage, Generation.status == GenerationStatus.promoted)
+        .execution_options(populate_existing=True)
+    )
     if champion is None:
         raise ConflictError(f"lineage {lineage!r} has no champion to roll back")
     if champion.parent_id is None:
         raise ConflictError(f"generation {champion.number} has no parent: there is nothing to roll back to")
-    parent = session.get(Generation, champion.parent_id)
+    parent = session.get(Generation, champion.parent_id, populate_existing=True)
     assert parent is not None
+    if parent.status not in (GenerationStatus.retired, GenerationStatus.rejected):
+        raise ConflictError(
+            f"generation {parent.number} (the parent of champion {champion.number}) is {parent.status}: "
+            "only a retired or rejected generation can be restored"
+        )
     champion.status = GenerationStatus.retired
     champion.decision = f"rolled back to generation {parent.number} by {actor}"
     session.flush()
@@ -258,7 +278,11 @@ def create_adapter(
     metrics: dict[str, Any] | None = None,
     actor: str = "ratchet",
 ) -> Adapter:
-    """Record a trained adapter (its files stay at ``artifact_uri``, checked by ``sha256`` when loaded)."""
+    """Record a trained adapter (its files stay at ``artifact_uri``, checked by ``sha256`` when loaded).
+
+    Versions of one specialist's adapter are numbered 1, 2, 3, ... without gaps, also when several
+    processes create them at once (the numbering is serialized by ``hold_lock``)."""
+    hold_lock(session=session, key=f"adapter:{base_model_id}:{specialist}")
     row = Adapter(
         specialist=specialist,
         version=next_adapter_version(session=session, base_model_id=base_model_id, specialist=specialist),

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pipeline.errors import ConflictError, NotFoundError
+from pipeline.registry.db import hold_lock
 from pipeline.registry.models import AuditLog, BaseModelRow, ContractVersion, HarnessVersion, StoredFile
 from pipeline.spec import content_hash
 
@@ -42,6 +43,7 @@ def _register_versioned(
     **extra: Any,
 ) -> HarnessVersion | ContractVersion:
     digest = content_hash(spec)
+    hold_lock(session=session, key=f"{kind}:{name}:{version}")  # two processes registering it at once
     existing = session.scalar(select(model).where(model.name == name, model.version == version))
     if existing is not None:
         if existing.content_hash != digest:
@@ -107,6 +109,7 @@ def register_base_model(
 ) -> BaseModelRow:
     """Store a base model by name; re-registering the same name with another spec is refused."""
     digest = content_hash({"spec": spec, "path": path})
+    hold_lock(session=session, key=f"base_model:{name}")
     existing = session.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
     if existing is not None:
         if existing.content_hash != digest:
@@ -159,6 +162,7 @@ def store_file(*, session: Session, content: bytes) -> str:
     import hashlib
 
     digest = hashlib.sha256(content).hexdigest()
+    hold_lock(session=session, key=f"file:{digest}")
     if session.get(StoredFile, digest) is None:
         session.add(StoredFile(sha256=digest, size=len(content), content=content))
         session.flush()
