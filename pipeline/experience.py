@@ -9,8 +9,11 @@ quarantine table with its line number and reason. Nothing is silently dropped.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +31,74 @@ TRACE_KEYS = frozenset({"messages", "metadata", "feedback", "routes", "id"})
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 DEFAULT_MAX_LINE_BYTES = 1 << 20  # 1 MiB
 RAW_KEEP = 4096  # bytes of a bad line kept in quarantine
+REASON_KEEP = 500  # characters of a quarantine reason (it may quote the input)
+MAX_NAME_CHARS = 100  # the registry's specialist column
+MAX_DEPTH = 254  # nesting orjson writes back (and every later reader of the stored JSON can take)
 _SORT = orjson.OPT_SORT_KEYS
+# an integer of 19 or more digits, which orjson would round to a float beyond 64 bits (as in registry.models)
+_LONG_NUMBER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
+_DIGITS = bytes.maketrans(b"123456789", b"000000000")  # a run of 19 digits becomes 19 zeros: a fast pre-check
 
 
 class TraceError(ValueError):
     """Why one trace is malformed (the message becomes the quarantine reason)."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_name(value: Any, where: str) -> None:
+    if type(value) is str and 0 < len(value) <= MAX_NAME_CHARS and value.isprintable():
+        return
+    raise TraceError(
+        f"{where}: expected a specialist name (1 to {MAX_NAME_CHARS} printable characters), got {_show(value)}"
+    )
+
+
+def _check_scores(scores: Any, where: str) -> None:
+    # a router's scores: {specialist: {signal: number}} (pipeline.serving.router.RouteDecision); plain loops:
+    # this runs for every ingested line
+    if scores is None:
+        return
+    ok = type(scores) is dict
+    for signals in scores.values() if ok else ():
+        ok = type(signals) is dict and all(type(x) is int or type(x) is float for x in signals.values())
+        if not ok:
+            break
+    if not ok:
+        raise TraceError(f"{where}: expected {{specialist: {{signal: number}}}}, got {_show(scores)}")
+
+
+def _check_routes(routes: Any, turns: int) -> None:
+    shape = "{'turn': int, 'specialist': str, 'reason': str, 'scores': {...}}"
+    if type(routes) is not list:
+        raise TraceError(f"routes: expected a list of {shape}, got {_show(routes)}")
+    for i, route in enumerate(routes):
+        if type(route) is not dict:
+            raise TraceError(f"routes[{i}]: expected {shape}, got {_show(route)}")
+        turn = route.get("turn")
+        if type(turn) is not int or not 0 <= turn < turns:
+            raise TraceError(
+                f"routes[{i}].turn: expected the index of a message (0 to {turns - 1}), got {_show(turn)}"
+            )
+        _check_name(route.get("specialist"), f"routes[{i}].specialist")
+        if route.get("reason") is not None and type(route["reason"]) is not str:
+            raise TraceError(f"routes[{i}].reason: expected text, got {_show(route['reason'])}")
+        _check_scores(route.get("scores"), f"routes[{i}].scores")
+
+
+def _check_metadata(metadata: dict[str, Any]) -> None:
+    # the fields Ratchet itself reads with a type (the rest of metadata is the scorers' and the user's)
+    if metadata.get("specialist") is not None:
+        _check_name(metadata["specialist"], "metadata.specialist")
+    summaries = metadata.get("summaries")
+    if summaries is not None and (
+        type(summaries) is not dict or not all(type(v) is str for v in summaries.values())
+    ):
+        raise TraceError(f"metadata.summaries: expected {{turn: text}}, got {_show(summaries)}")
+    _check_scores(metadata.get("route_scores"), "metadata.route_scores")
 
 
 def _check_content(content: Any, where: str) -> None:
@@ -67,7 +133,7 @@ def validate_trace(obj: Any) -> dict[str, Any]:
         raise TraceError(f"expected a JSON object per line, got {type(obj).__name__}")
     for key in obj:
         if key not in TRACE_KEYS:
-            raise TraceError(f"unknown field {key!r}; expected {sorted(TRACE_KEYS)}")
+            raise TraceError(f"unknown field {_show(key)}; expected {sorted(TRACE_KEYS)}")
     messages = obj.get("messages")
     if type(messages) is not list or not messages:
         raise TraceError("messages: expected a non-empty list of chat messages")
@@ -76,10 +142,10 @@ def validate_trace(obj: Any) -> dict[str, Any]:
             raise TraceError(f"messages[{i}]: expected an object with 'role' and 'content'")
         for key in msg:
             if key not in MESSAGE_KEYS:
-                raise TraceError(f"messages[{i}]: unknown field {key!r}")
+                raise TraceError(f"messages[{i}]: unknown field {_show(key)}")
         role = msg.get("role")
-        if role not in ROLES:
-            raise TraceError(f"messages[{i}].role: expected one of {sorted(ROLES)}, got {role!r}")
+        if type(role) is not str or role not in ROLES:
+            raise TraceError(f"messages[{i}].role: expected one of {sorted(ROLES)}, got {_show(role)}")
         content = msg.get("content")
         if type(content) is not str:
             if "content" not in msg and not msg.get("tool_calls"):
@@ -98,12 +164,13 @@ def validate_trace(obj: Any) -> dict[str, Any]:
         metadata = {}
     elif type(metadata) is not dict:
         raise TraceError("metadata: expected an object")
+    _check_metadata(metadata)
     feedback = obj.get("feedback")
     if feedback is not None:
         _check_feedback(feedback)
-    routes = obj.get("routes") or []
-    if type(routes) is not list or any(type(r) is not dict or "specialist" not in r for r in routes):
-        raise TraceError("routes: expected a list of {'turn': int, 'specialist': str, ...}")
+    routes = obj.get("routes")
+    routes = [] if routes is None else routes
+    _check_routes(routes, len(messages))
     return {"messages": messages, "metadata": metadata, "feedback": feedback, "routes": routes}
 
 
@@ -120,6 +187,53 @@ def _check_feedback(feedback: Any) -> None:
             raise TraceError("feedback.correction: expected a string")
 
 
+def _nesting(obj: Any) -> int:
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if type(value) in (dict, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if type(value) is dict else value))
+    return deepest
+
+
+def parse_line(raw: bytes) -> dict[str, Any]:
+    """Decode and validate one JSONL line; raise ``TraceError`` with the quarantine reason.
+
+    Exact: an integer beyond 64 bits (which orjson would round to a float) is read by the standard parser.
+    """
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise TraceError(
+            f"bad JSON: raw NUL byte at byte {nul} (JSON text has none; a string writes \\u0000)"
+        )
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if "utf-8" in str(exc).lower():
+            raise TraceError("invalid UTF-8") from None
+        raise TraceError(f"bad JSON: {exc}") from None
+    # brackets over-count (they may sit in strings); only then is the real depth measured
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _nesting(obj) > MAX_DEPTH:
+        raise TraceError(f"too deeply nested: more than {MAX_DEPTH} levels of lists and objects")
+    if b"0" * 19 in raw.translate(_DIGITS) and _LONG_NUMBER.search(raw) is not None:
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # Python's limit on an integer's digits
+            raise TraceError(f"number too large: {str(exc).split(':')[0]}") from None
+    try:
+        return validate_trace(obj)
+    except TraceError as exc:
+        raise TraceError(f"wrong shape: {exc}") from None
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, option=_SORT)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits: the standard encoder writes it exactly
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode()
+
+
 def trace_row(
     trace: dict[str, Any],
     *,
@@ -129,10 +243,10 @@ def trace_row(
     completion_id: str | None = None,
 ) -> TraceRow:
     """Serialise a validated trace canonically and compute its content hash."""
-    messages = orjson.dumps(trace["messages"], option=_SORT)
-    metadata = orjson.dumps(trace.get("metadata") or {}, option=_SORT)
+    messages = _dumps(trace["messages"])
+    metadata = _dumps(trace.get("metadata") or {})
     feedback = trace.get("feedback")
-    feedback_json = None if feedback is None else orjson.dumps(feedback, option=_SORT)
+    feedback_json = None if feedback is None else _dumps(feedback)
     routes = trace.get("routes") or []
     digest = hashlib.sha256(messages)
     digest.update(b"\x1e")
@@ -147,7 +261,7 @@ def trace_row(
         messages=messages.decode(),
         metadata=metadata.decode(),
         feedback=None if feedback_json is None else feedback_json.decode(),
-        routes=orjson.dumps(routes, option=_SORT).decode(),
+        routes=_dumps(routes).decode(),
         specialist=specialist if isinstance(specialist, str) else None,
         source=source,
         generation_id=generation_id,
@@ -194,6 +308,18 @@ def _reason_kind(reason: str) -> str:
     return reason.split(":", 1)[0].split(" (", 1)[0]
 
 
+def quarantine_text(raw: bytes | None) -> str:
+    """What quarantine keeps of a bad line: its first ``RAW_KEEP`` bytes as text. Invalid UTF-8 becomes
+    U+FFFD; a raw NUL (no database text column takes one) becomes JSON's own escape ``\\u0000``, which
+    turns a line whose only fault is that NUL into the valid JSON line it meant."""
+    return (raw or b"")[:RAW_KEEP].decode("utf-8", errors="replace").replace("\x00", "\\u0000")
+
+
+def _already_quarantined(numbers: Any, number: int) -> bool:
+    i = bisect_left(numbers, number)
+    return i < len(numbers) and numbers[i] == number
+
+
 def ingest_file(
     path: str | Path,
     *,
@@ -207,10 +333,12 @@ def ingest_file(
 ) -> IngestResult:
     """Stream ``path`` into the registry; each batch is committed on its own (a crash loses nothing stored).
 
-    ``session_factory`` returns a context manager yielding a Session (e.g. ``session_scope``).
-    ``progress(bytes_done, bytes_total)`` is called after every batch.
+    Rerunnable: a trace already stored counts as a duplicate, and a line of this file already quarantined
+    (same file name and line number, e.g. by a run that was killed) counts as quarantined without a second
+    quarantine row. ``session_factory`` returns a context manager yielding a Session (e.g.
+    ``session_scope``). ``progress(bytes_done, bytes_total)`` is called after every batch.
     """
-    from pipeline.registry.experience import insert_traces, quarantine_lines
+    from pipeline.registry.experience import insert_traces, quarantine_lines, quarantined_line_numbers
 
     path = Path(path)
     if not path.is_file():
@@ -218,8 +346,12 @@ def ingest_file(
         raise NotFoundError(f"{path}: {what} (expected a JSONL file of traces)")
     if source not in SOURCES:
         raise RatchetError(f"unknown source {source!r}: expected one of {', '.join(SOURCES)}")
+    # a file name that is not UTF-8 (Linux allows any bytes) is kept with its odd bytes escaped
+    source_file = os.fsencode(path).decode("utf-8", errors="backslashreplace")
     total = os.path.getsize(path)
     result = IngestResult(file=str(path))
+    with session_factory() as session:
+        earlier = quarantined_line_numbers(session=session, source_file=source_file)
     rows: list[TraceRow] = []
     bad: list[tuple[int, str, str]] = []
     seen: set[str] = set()
@@ -229,7 +361,7 @@ def ingest_file(
         with session_factory() as session:
             stored = insert_traces(session=session, rows=rows)
             if bad:
-                quarantine_lines(session=session, source_file=str(path), entries=bad)
+                quarantine_lines(session=session, source_file=source_file, entries=bad)
         result.stored += stored
         result.duplicate += len(rows) - stored
         rows.clear()
@@ -245,14 +377,14 @@ def ingest_file(
             continue
         if problem is None:
             try:
-                trace = validate_trace(orjson.loads(raw))
                 row = trace_row(
-                    trace, source=source, generation_id=generation_id, harness_version_id=harness_version_id
+                    parse_line(raw),
+                    source=source,
+                    generation_id=generation_id,
+                    harness_version_id=harness_version_id,
                 )
-            except orjson.JSONDecodeError as exc:
-                problem = "invalid UTF-8" if "utf-8" in str(exc).lower() else f"bad JSON: {exc}"
             except TraceError as exc:
-                problem = f"wrong shape: {exc}"
+                problem = str(exc)
             else:
                 if row.content_hash in seen:
                     result.duplicate += 1
@@ -263,8 +395,9 @@ def ingest_file(
             result.quarantined += 1
             kind = _reason_kind(problem)
             result.reasons[kind] = result.reasons.get(kind, 0) + 1
-            text = (raw or b"")[:RAW_KEEP].decode("utf-8", errors="replace")
-            bad.append((number, problem, text))
+            if not _already_quarantined(earlier, number):
+                reason = problem if len(problem) <= REASON_KEEP else problem[: REASON_KEEP - 3] + "..."
+                bad.append((number, reason, quarantine_text(raw)))
         if len(rows) >= batch_size or len(bad) >= batch_size:
             flush()
             seen.clear()

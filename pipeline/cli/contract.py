@@ -47,15 +47,11 @@ def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[
     from pipeline.compatibility import check_harness
     from pipeline.contract import verify_files
     from pipeline.errors import RatchetError
-    from pipeline.spec import SpecError, SpecIssue, parse_yaml, validate_spec_text
+    from pipeline.spec import SpecError, SpecIssue, parse_yaml, read_spec_text, validate_spec_text
 
-    if not path.is_file():
-        return [str(SpecIssue(str(path), 0, "", "file not found"))], None, None
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_spec_text(path)  # bounded: a huge file is refused before it is read whole
         data, _ = parse_yaml(text, file=str(path))
-    except UnicodeDecodeError as exc:
-        return [str(SpecIssue(str(path), 0, "", f"not UTF-8 text ({exc.reason})"))], None, None
     except SpecError as exc:
         return [str(i) for i in exc.issues], None, None
     if kind == "auto":

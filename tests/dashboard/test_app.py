@@ -445,20 +445,31 @@ def test_hostile_shapes_render_as_text_and_long_traces_are_paged(acting_home, tm
     engine = get_engine(settings.registry_url)
     result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment",
                          harness_version_id=1)  # fmt: skip
+    assert (result.stored, result.quarantined) == (1, 4)  # ingest refuses the odd shapes now ...
+    from pipeline.registry import TraceRow, insert_traces
+
+    with session_scope(engine) as s:  # ... but rows stored before it did (or by another writer) still render
+        insert_traces(session=s, rows=[
+            TraceRow(content_hash=f"odd-{i}", messages=json.dumps(x["messages"]), metadata=json.dumps(x["metadata"]),
+                     feedback=None, routes=json.dumps(x["routes"]), specialist="chat", source="deployment",
+                     harness_version_id=1)
+            for i, x in enumerate(lines[:4])
+        ])  # fmt: skip
     dispose_engines()
     with TestClient(create_app(settings, allowed_hosts=["testserver"])) as c:
         ids = [
             t["id"]
             for t in c.get("/api/experience", params={"source": "deployment", "limit": 200}).json()["traces"]
         ]
-        for i in ids[: result.stored]:
+        assert len(ids) >= 5
+        for i in ids[:5]:
             page = c.get(f"/experience/{i}")
             assert page.status_code == 200, (i, page.text[:300])
             assert "'<b>'" not in page.text and "<i>not" not in page.text
-        big = c.get(f"/api/experience/{ids[0]}").json()
+        big = c.get(f"/api/experience/{ids[4]}").json()
         assert big["turn_count"] == 6000 and len(big["turns"]) == 200 and big["next_turns"] == 200
         assert sum(1 for t in big["turns"] if t["view"] is not None) == 10
-        later = c.get(f"/api/experience/{ids[0]}", params={"turns_from": 5900}).json()
+        later = c.get(f"/api/experience/{ids[4]}", params={"turns_from": 5900}).json()
         assert (
             later["turns"][0]["index"] == 5900
             and later["next_turns"] is None
