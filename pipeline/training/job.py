@@ -6,11 +6,14 @@ continues its parent's adapter weights. Batches are packed (``pipeline.packing``
 share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
 other, so no compute goes to padding. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
 ``W x + scale * B (A x)`` with the same gradients, in fewer and larger matmuls),
-and logits and loss are computed only where a label is (``kernels.assistant_loss``). Every ``checkpoint_every`` steps the adapter, optimizer, scheduler,
-RNG states and step are written atomically under ``output_dir/checkpoint/``; calling ``train_lora`` again
-with the same ``output_dir`` resumes from the last checkpoint. On success the adapter is saved with peft's
-``save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``) beside a ``lineage.json``,
-and the checkpoints are deleted.
+and logits and loss are computed only where a label is (``kernels.assistant_loss``). Every
+``checkpoint_every`` steps the adapter, optimizer, scheduler, RNG states and step are written under
+``output_dir/checkpoint/`` (``checkpoint``: safetensors and JSON, never a pickle; the newest two are kept);
+calling ``train_lora`` again with the same ``output_dir`` resumes from the newest intact one. On success
+the adapter is saved with peft's ``save_pretrained`` (``adapter_config.json`` +
+``adapter_model.safetensors``) beside a ``lineage.json``, all written under a temporary name and renamed
+into place only when complete (``artifacts.atomic_directory``), so a full or read-only store fails the job
+with an ``ArtifactStoreError`` and never leaves half an adapter; then the checkpoints are deleted.
 """
 
 from __future__ import annotations
@@ -185,6 +188,8 @@ def train_lora(
     from pipeline.decoding import attn_implementation_for
     from pipeline.packing import encode_chat, packed_tensors
     from pipeline.placement import placement
+    from pipeline.training.artifacts import ArtifactStoreError, atomic_directory, storage_failure
+    from pipeline.training.checkpoint import load_checkpoint, save_checkpoint
     from pipeline.training.kernels import assistant_loss, merged_lora
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -216,10 +221,18 @@ def train_lora(
     examples = [e for e in examples if any(label != -100 for label in e[1])]
     if not examples:
         raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
+    if (
+        parent_adapter_dir is not None
+        and not (Path(parent_adapter_dir) / "adapter_model.safetensors").is_file()
+    ):
+        raise RatchetError(  # peft would fall back to a pickled adapter_model.bin: never load one
+            f"{parent_adapter_dir}: parent adapter has no adapter_model.safetensors"
+        )
     attn = attn_implementation_for(base_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(
-        base_model_dir, dtype=where.torch_dtype, **({"attn_implementation": attn} if attn else {})
-    ).to(where.device)
+    base = AutoModelForCausalLM.from_pretrained(  # safetensors only: a pickled checkpoint is refused
+        base_model_dir, dtype=where.torch_dtype, use_safetensors=True,
+        **({"attn_implementation": attn} if attn else {}),
+    ).to(where.device)  # fmt: skip
     if parent_adapter_dir is not None:
         model = PeftModel.from_pretrained(base, parent_adapter_dir, is_trainable=True)
     else:
@@ -241,7 +254,9 @@ def train_lora(
     job_key = content_hash({"config": asdict(config), "data": data_hash, "parent": str(parent_adapter_dir)})
 
     ckpt_root = output_dir / "checkpoint"
-    start = _resume(ckpt_root, job_key, model, optim, sched, set_peft_model_state_dict)
+    start = load_checkpoint(
+        ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, set_state=set_peft_model_state_dict
+    )
     if start:
         log.info("resuming %s from checkpoint step %d of %d", output_dir, start, total)
 
@@ -284,7 +299,8 @@ def train_lora(
                 progress(step, total, loss_value)
             interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
             if step % config.checkpoint_every == 0 or interrupted:
-                _checkpoint(ckpt_root, job_key, step, model, optim, sched, get_peft_model_state_dict)
+                save_checkpoint(ckpt_root, job_key=job_key, step=step, model=model, optim=optim, sched=sched,
+                                get_state=get_peft_model_state_dict)  # fmt: skip
             if interrupted:
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
@@ -293,86 +309,38 @@ def train_lora(
 
         # ---- save ----------------------------------------------------------------------------------
         adapter_dir = output_dir / "adapter"
-        tmp = output_dir / f"adapter.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
-        record = {
-            **(lineage or {}),
-            "dataset_sha256": data_hash,
-            "base_model_sha256": weights_sha256(base_model_dir),
-            "code_version": (lineage or {}).get("code_version") or git_describe(),
-            "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
-            "adapter_sha256": adapter_sha,
-            "train_config": asdict(config),
-            "steps": total,
-            "final_loss": loss_value,
-            "examples": len(examples),
-        }
-        (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        os.replace(tmp, adapter_dir)
+        with atomic_directory(adapter_dir, what="adapter") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
+            record = {
+                **(lineage or {}),
+                "dataset_sha256": data_hash,
+                "base_model_sha256": weights_sha256(base_model_dir),
+                "code_version": (lineage or {}).get("code_version") or git_describe(),
+                "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
+                "adapter_sha256": adapter_sha,
+                "train_config": asdict(config),
+                "steps": total,
+                "final_loss": loss_value,
+                "examples": len(examples),
+            }
+            (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if tracker:
             tracker.log_metric("tokens_per_second", tokens / max(seconds, 1e-9), step=total)
             tracker.log_params({"adapter_sha256": adapter_sha})
-            tracker.log_artifact(adapter_dir, artifact_path="adapter")
+            try:
+                tracker.log_artifact(adapter_dir, artifact_path="adapter")
+            except Exception as exc:  # a local (file) MLflow artifact store that is full or read-only
+                reason = storage_failure(exc)
+                if reason is None:
+                    raise
+                raise ArtifactStoreError(
+                    f"{adapter_dir}: cannot copy the adapter into MLflow's artifact store ({reason}): "
+                    "it is full or not writable"
+                ) from exc
 
     # ---- clean up ----------------------------------------------------------------------------------
     shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, base, optim
     return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
                        len(examples), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
-
-
-def _checkpoint(
-    root: Path, job_key: str, step: int, model: Any, optim: Any, sched: Any, get_state: Any
-) -> None:
-    """Write ``root/step-NNNNNNN`` atomically (temp dir, then rename), then drop older checkpoints."""
-    import torch
-    from safetensors.torch import save_file
-
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
-    tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(
-        {k: v.detach().contiguous() for k, v in get_state(model).items()}, str(tmp / "adapter.safetensors")
-    )
-    state = {
-        "optimizer": optim.state_dict(),
-        "scheduler": sched.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-    }
-    torch.save(state, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "job_key": job_key}) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in root.glob("step-*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def _resume(root: Path, job_key: str, model: Any, optim: Any, sched: Any, set_state: Any) -> int:
-    """Load the newest complete checkpoint under ``root``; return its step (0 when there is none)."""
-    import torch
-    from safetensors.torch import load_file
-
-    done = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file()) if root.is_dir() else []
-    if not done:
-        return 0
-    ckpt = done[-1]
-    meta = json.loads((ckpt / "meta.json").read_text())
-    if meta["job_key"] != job_key:
-        raise RatchetError(
-            f"{ckpt}: checkpoint belongs to a different job (config, data or parent changed); "
-            "delete it or use a new output_dir"
-        )
-    set_state(model, load_file(str(ckpt / "adapter.safetensors")))
-    state = torch.load(ckpt / "state.pt", weights_only=False)
-    optim.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    return int(meta["step"])

@@ -1,7 +1,12 @@
 """The training step: one LoRA job per specialist with a curated dataset, continuing the parent's adapter.
 
 Each job is recorded as it finishes (registry adapter row, MLflow run and registered model version), so a
-crashed step resumes with the specialists still to train.
+crashed step resumes with the specialists still to train. The registry row is written only after its MLflow
+run and model version exist: when MLflow is unreachable (``tracking.TrackingUnavailable``) the step stops
+with the candidate still in flight and nothing pointing at a run that is not there, and running it again
+continues. When the artifact store refuses the adapter (``artifacts.ArtifactStoreError``: full or not
+writable) the candidate is marked failed with that reason; no adapter row is written for a job that did not
+save a complete adapter, and the champion is untouched.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def train_step(
         set_generation_status,
     )
     from pipeline.tracking import registered_model_name
+    from pipeline.training.artifacts import ArtifactStoreError
     from pipeline.training.job import TrainConfig, train_lora
 
     engine = get_engine()
@@ -86,23 +92,33 @@ def train_step(
             seed=step_seed(config, number, specialist),
             tool_call_format=tool_call_format,
         )
-        result = train_lora(
-            base_model_dir=base_dir,
-            dataset_dir=Path(path),
-            output_dir=out_dir / f"{config.lineage}-gen{number}-{specialist}",
-            config=train_config,
-            parent_adapter_dir=Path(parent_adapter.artifact_uri) if parent_adapter else None,
-            lineage={
-                **lineage_info,
-                "specialist": specialist,
-                "dataset_sha256": digest,
-                "parent_adapter_sha256": parent_adapter.sha256 if parent_adapter else None,
-            },
-            tracker=tracker,
-            progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
-            where=spec_placement(spec.dtype),
-            tokenizer_dir=tokenizer_dir(spec.tokenizer, base_dir),
-        )
+        try:
+            result = train_lora(
+                base_model_dir=base_dir,
+                dataset_dir=Path(path),
+                output_dir=out_dir / f"{config.lineage}-gen{number}-{specialist}",
+                config=train_config,
+                parent_adapter_dir=Path(parent_adapter.artifact_uri) if parent_adapter else None,
+                lineage={
+                    **lineage_info,
+                    "specialist": specialist,
+                    "dataset_sha256": digest,
+                    "parent_adapter_sha256": parent_adapter.sha256 if parent_adapter else None,
+                },
+                tracker=tracker,
+                progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t))
+                if progress
+                else None,
+                where=spec_placement(spec.dtype),
+                tokenizer_dir=tokenizer_dir(spec.tokenizer, base_dir),
+            )
+        except ArtifactStoreError as exc:  # not transient: record why, so the next advance starts afresh
+            reason = f"failed: training {specialist}: {exc}"
+            with session_scope(engine) as session:
+                gen = load_generation(session, generation_id)
+                set_generation_status(session=session, generation=gen, status="failed", reason=reason,
+                                      actor="advance")  # fmt: skip
+            raise ArtifactStoreError(f"generation {number} {reason}") from exc
         CLOCK.add("train", result.seconds)  # the optimisation loop itself; loading and saving are overhead
         version = None
         if tracker is not None and result.run_id:

@@ -1,0 +1,78 @@
+"""Writing training artifacts so that a reader sees a complete directory or none at all.
+
+``atomic_directory(final)`` yields a temporary sibling to write into; when the block finishes, every file
+in it is fsynced and the directory is renamed to ``final`` (replacing an older one). When the block fails,
+the temporary directory is removed and ``final`` is left as it was. A write the storage refuses (full,
+read-only, a file where a directory should be) becomes an ``ArtifactStoreError``: one line naming where
+and why, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.errors import RatchetError
+
+
+class ArtifactStoreError(RatchetError):
+    """The artifact store refused a write: it is full or not writable."""
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """Why ``exc`` is the storage refusing a write, in a few words; None when it is something else."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    # safetensors reports its writes' I/O errors as its own exception type, not OSError
+    if type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc):
+        return str(exc).split("I/O error:", 1)[1].strip()
+    return None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root``, and ``root`` itself, to the disk."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            _fsync(path)
+    _fsync(root)
+
+
+@contextmanager
+def atomic_directory(final: Path, *, what: str) -> Iterator[Path]:
+    """Write ``final`` through a temporary sibling (see the module doc); ``what`` names it in errors."""
+    final = Path(final)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        yield tmp
+        fsync_tree(tmp)
+        if final.exists():  # a directory cannot be replaced in one rename: move the old one aside first
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():  # failed between the two renames: put the old one back
+            os.replace(old, final)
+        reason = storage_failure(exc)
+        if reason is None:
+            raise
+        raise ArtifactStoreError(
+            f"{final}: cannot write the {what} ({reason}): the artifact store is full or not writable"
+        ) from exc
