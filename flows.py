@@ -4,21 +4,36 @@ Each pipeline step is a plain function in ``pipeline/``; here they are wrapped a
 where a step may fail transiently, e.g. a locked database) and composed into named flows.
 
     python -c "from flows import ingest_experience; ingest_experience(['traces.jsonl'])"
-    ratchet advance            # runs the advance_generation flow
+    ratchet advance            # runs the advance_generation flow, every step in this process
+    prefect deploy --all       # prefect.yaml: advance_cluster and train_candidate on two work pools
+
+On one machine ``advance_generation`` runs every step in one flow. On a cluster ``advance_cluster`` (work
+pool ``ratchet-cpu``) collects, scores and curates, hands training, co-design and evaluation to the
+``train_candidate`` deployment (work pool ``ratchet-gpu``) with ``run_deployment``, waits for it and
+decides. Both act on the candidate under one lease owner (the CPU flow run's), so no other run can take the
+candidate in between; each step records its outcome in the registry, so a step already done is skipped
+when a crashed run is started again. GPU steps hold a slot of the global concurrency limit ``ratchet-gpu``
+(``prefect gcl create ratchet-gpu --limit N``) while they run. After each decision the flow publishes two
+artifacts: the held-out comparison as a table and the decision with its gates as markdown.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # The ephemeral API server's first start creates and migrates its database; on a loaded 2-core machine that
 # took longer than Prefect's default 20 s and `make demo` died before its first step.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# A worker's flow runs log to its output: no per-file "Loading weights" bars (as `ratchet` itself sets).
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from prefect import flow, task  # noqa: E402
 
+from pipeline.candidate import AdvanceConfig  # noqa: E402
 from pipeline.experience import IngestResult  # noqa: E402
 
 TRANSIENT_RETRIES = 3
@@ -112,6 +127,47 @@ def _not_a_user_error(task, task_run, state) -> bool:
     return False
 
 
+GPU_STEPS = ("train", "codesign", "evaluate")
+GPU_LIMIT = "ratchet-gpu"
+GPU_DEPLOYMENT = "train_candidate/train-candidate"
+HANDOFF_POLL_S = 2  # how often the CPU flow asks whether the GPU flow run has finished
+
+
+@contextmanager
+def gpu_slot(limit: str | None) -> Iterator[None]:
+    """Hold one slot of the global concurrency limit ``limit`` on the Prefect server (None: no limit).
+
+    A missing limit is the operator's mistake, not "unlimited": one line says how to create it."""
+    if limit is None:
+        yield
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    from pipeline.errors import RatchetError
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(limit)
+        except ObjectNotFound:
+            raise RatchetError(
+                f"global concurrency limit {limit!r} does not exist on the Prefect server: create it with "
+                f"`prefect gcl create {limit} --limit 1` (the number of GPU steps allowed at once)"
+            ) from None
+    # a lease renewal that fails once (a busy server) must not kill an hour of training
+    with concurrency(limit, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
+        yield
+
+
+def ensure_gpu_limit(*, api_url: str, name: str = GPU_LIMIT, slots: int) -> None:
+    """Create the global concurrency limit ``name`` with ``slots`` slots, or set its slots (``ratchet up``)."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api_url) as client:
+        client.upsert_global_concurrency_limit_by_name(name, slots)
+
+
 def _step_task():
     from prefect.cache_policies import NO_CACHE
 
@@ -121,8 +177,9 @@ def _step_task():
         retry_condition_fn=_not_a_user_error,
         cache_policy=NO_CACHE,
     )
-    def advance_step(fn, kwargs):
-        return fn(**kwargs)
+    def advance_step(fn, kwargs, gpu_limit: str | None = None):
+        with gpu_slot(gpu_limit):
+            return fn(**kwargs)
 
     return advance_step
 
@@ -131,10 +188,10 @@ def _step_task():
 def advance_generation(generations: int = 1, config=None, tracker=None, progress=None) -> list[dict]:
     """Advance the lineage by ``generations`` cycles: collect, score, curate, train, co-design, evaluate, decide.
 
-    Each step runs as a Prefect task; a crashed run continues the same candidate when started again.
+    Each step runs as a Prefect task in this process; a crashed run continues the same candidate when
+    started again.
     """
     from pipeline.advance import advance_once
-    from pipeline.candidate import AdvanceConfig
 
     config = config or AdvanceConfig()
     step = _step_task()
@@ -142,7 +199,197 @@ def advance_generation(generations: int = 1, config=None, tracker=None, progress
     def run_step(name, fn, **kwargs):
         return step.with_options(name=name)(fn, kwargs)
 
-    return [
-        advance_once(config=config, tracker=tracker, progress=progress, run_step=run_step)
-        for _ in range(generations)
-    ]
+    outcomes = []
+    for _ in range(generations):
+        outcomes.append(advance_once(config=config, tracker=tracker, progress=progress, run_step=run_step))
+        publish_decision(config.lineage, outcomes[-1]["generation"])
+    return outcomes
+
+
+@contextmanager
+def _candidate(
+    config: AdvanceConfig, owner: str, *, expect: int | None = None, release: bool
+) -> Iterator[int]:
+    """Hold the candidate's lease as ``owner`` (renewed in the background) while the block runs; the
+    candidate must be generation id ``expect`` when given. ``release``: give the lease up afterwards."""
+    from pipeline.advance import begin_candidate, release_candidate
+    from pipeline.errors import ConflictError
+    from pipeline.lease import Lease
+    from pipeline.registry import get_engine
+
+    generation_id = begin_candidate(config=config, owner=owner)
+    if expect is not None and generation_id != expect:
+        raise ConflictError(
+            f"lineage {config.lineage!r}'s candidate is now generation id {generation_id}, not {expect}: the "
+            "candidate this run was handed was finished or taken over by another run"
+        )
+    lease = Lease(generation_id, owner, config.lease_seconds, get_engine()).start()
+    try:
+        yield generation_id
+    finally:
+        lease.stop()
+        if release:
+            release_candidate(generation_id=generation_id, owner=owner)
+
+
+def _run_steps(steps, *, generation_id: int, config: AdvanceConfig, gpu_limit: str | None = None) -> dict:
+    """Run those of ``steps`` not yet done for the candidate, each as a task; the last step's outcome."""
+    from pipeline.advance import TRACKED, step_functions
+    from pipeline.candidate import done_steps
+    from pipeline.tracking import MLflowTracker
+
+    done, functions, step = done_steps(generation_id), step_functions(), _step_task()
+    tracker = MLflowTracker.from_settings() if TRACKED & (set(steps) - set(done)) else None
+    outcome: dict = {}
+    for name in steps:
+        if name in done:
+            outcome = done[name]
+            continue
+        kwargs = {"generation_id": generation_id, "config": config, "progress": None}
+        if name in TRACKED:
+            kwargs["tracker"] = tracker
+        slot = gpu_limit if name in GPU_STEPS else None
+        outcome = step.with_options(name=name)(functions[name], kwargs, slot)
+    return outcome
+
+
+@flow(name="train_candidate")
+def train_candidate(config: AdvanceConfig, generation_id: int, owner: str, gpu_limit: str | None = GPU_LIMIT):
+    """The GPU steps (train, co-design, evaluate) of the candidate ``advance_cluster`` handed over.
+
+    It acts as that flow run's lease ``owner`` and leaves the lease to it, so no other run can take the
+    candidate between the two."""
+    with _candidate(config, owner, expect=generation_id, release=False):
+        _run_steps(GPU_STEPS, generation_id=generation_id, config=config, gpu_limit=gpu_limit)
+
+
+@flow(name="advance_cluster")
+def advance_cluster(
+    config: AdvanceConfig = AdvanceConfig(),
+    generations: int = 1,
+    gpu_deployment: str | None = GPU_DEPLOYMENT,
+    gpu_limit: str | None = GPU_LIMIT,
+) -> list[dict]:
+    """Advance the lineage on work pools: collect, score and curate here; train, co-design and evaluate in
+    a run of ``gpu_deployment`` (None: here, each under a slot of ``gpu_limit``); then decide here."""
+    from dataclasses import asdict
+
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    from pipeline.advance import owner_id
+    from pipeline.candidate import STEPS
+    from pipeline.errors import RatchetError
+
+    # One lease owner for this flow run and the GPU run it starts. Its extra part (the flow run) makes
+    # `lease.owner_gone` judge it by expiry only: this process ending early must not free the candidate
+    # while the GPU run, renewing the same owner, still works on it.
+    owner = f"{owner_id()}/flow-run:{flow_run.id}"
+    outcomes = []
+    for _ in range(generations):
+        with _candidate(config, owner, release=True) as generation_id:
+            _run_steps(STEPS[: STEPS.index(GPU_STEPS[0])], generation_id=generation_id, config=config)
+            if gpu_deployment is None:
+                _run_steps(GPU_STEPS, generation_id=generation_id, config=config, gpu_limit=gpu_limit)
+            else:
+                parameters = {"config": asdict(config), "generation_id": generation_id, "owner": owner}
+                run = run_deployment(
+                    gpu_deployment,
+                    parameters={**parameters, "gpu_limit": gpu_limit},
+                    poll_interval=HANDOFF_POLL_S,
+                )
+                if run.state is None or not run.state.is_completed():
+                    raise RatchetError(
+                        f"the GPU steps of lineage {config.lineage!r}'s candidate (flow run {run.name} of "
+                        f"{gpu_deployment}) ended {run.state.name if run.state else 'without a state'}: see "
+                        "its logs; the next run continues the candidate from its first step not done"
+                    )
+            outcomes.append(_run_steps(("decide",), generation_id=generation_id, config=config))
+        publish_decision(config.lineage, outcomes[-1]["generation"])
+    return outcomes
+
+
+def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
+    """A decided generation's held-out comparison as table rows, and its decision with the gates as markdown.
+
+    Each row's interval is two-sided at ``1 - 2 alpha``, so its lower end is the one-sided bound the gate
+    tested: per specialist alpha is the contract's ``regression_error_rate``, overall the rate this attempt's
+    improvement test used."""
+    from pipeline.candidate import contract_of
+    from pipeline.promotion import t_quantile
+    from pipeline.registry import get_engine, get_generation, session_scope
+
+    with session_scope(get_engine()) as session:
+        gen = get_generation(session=session, number=number, lineage=lineage)
+        evaluation, status, decision = dict(gen.evaluation or {}), gen.status, gen.decision or ""
+        contract = contract_of(gen)
+    gates, comparison = contract.promotion, evaluation.get("comparison") or {}
+    verdict = evaluation.get("verdict") or {}
+
+    lows: dict[str, float] = {}  # each row's lower end: the bound its gate tested
+
+    def row(name, parent, candidate, delta, se, df, alpha, n) -> dict:
+        half = t_quantile(1 - alpha, df) * se
+        lows[name] = delta - half
+        interval = f"{100 * (1 - 2 * alpha):.4g}% [{delta - half:+.4f}, {delta + half:+.4f}]"
+        return {"specialist": name, "parent": round(parent, 4), "candidate": round(candidate, 4),
+                "delta": round(delta, 4), "interval": interval, "n": n}  # fmt: skip
+
+    def gate(name: str, setting: str, measured: str, passed: bool) -> str:
+        return f"| {name} | {setting} | {measured} | {'pass' if passed else '**fail**'} |"
+
+    alpha = gates.regression_error_rate
+    specialists = sorted((comparison.get("specialists") or {}).items())
+    rows = [row(s, c["champion"], c["candidate"], c["delta"], c["se"], max(1, c["n"] - 1), alpha, c["n"])
+            for s, c in specialists]  # fmt: skip
+    lines = [f"# {lineage} generation {number}: {status}", "", f"**Decision:** {decision}", ""]
+    lines += [f"- {reason}" for reason in verdict.get("reasons", [])]
+    lines += ["", "## Gates", "", "| gate | setting | measured | result |", "|---|---|---|---|"]
+    if rows and verdict:
+        df = float("inf") if comparison["df"] is None else comparison["df"]
+        total = sum(c["n"] for _, c in specialists)
+        rows.append(row("overall", comparison["champion_overall"], comparison["candidate_overall"],
+                        comparison["delta"], comparison["se"], df, verdict["rate"], total))  # fmt: skip
+        setting = (f"lower bound > {gates.min_improvement:g} at rate {verdict['rate']:.4f} (attempt "
+                   f"{evaluation.get('attempt', 1)}; lineage rate {gates.false_promotion_rate:g})")  # fmt: skip
+        lines.append(gate("improvement", setting, f"lower bound {verdict['lower']:+.4f}",
+                          verdict["lower"] > gates.min_improvement))  # fmt: skip
+    for r in rows[: len(specialists)]:
+        tolerance = gates.tolerance(r["specialist"])
+        lines.append(gate(f"no regression: {r['specialist']}", f"lower bound > -{tolerance:g} at rate {alpha:g}",
+                          f"delta {r['delta']:+.4f}, {r['interval']}", lows[r["specialist"]] > -tolerance))  # fmt: skip
+    fewest = min((c["n"] for _, c in specialists), default=0)
+    lines.append(gate("held-out items", f">= {gates.min_heldout_samples} per specialist", f"fewest {fewest}",
+                      fewest >= gates.min_heldout_samples))  # fmt: skip
+    router, parent_router = evaluation.get("router"), evaluation.get("parent_router")
+    if contract.routing is not None and router and parent_router:
+        drop = parent_router["accuracy"] - router["accuracy"]
+        lines.append(gate("routing", f"accuracy drop <= {contract.routing.max_accuracy_drop:g}",
+                          f"{parent_router['accuracy']:.3f} -> {router['accuracy']:.3f}",
+                          drop <= contract.routing.max_accuracy_drop))  # fmt: skip
+    return rows, "\n".join(lines) + "\n"
+
+
+def artifact_key(lineage: str, number: int, what: str) -> str:
+    """An artifact key (lowercase letters, digits, dashes) naming the lineage, the generation and what."""
+    import re
+
+    return f"{re.sub(r'[^a-z0-9]+', '-', lineage.lower()).strip('-')}-gen-{number}-{what}"
+
+
+def publish_decision(lineage: str, number: int) -> None:
+    """The generation's held-out table and decision as artifacts of this flow run (Prefect UI: Artifacts)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows, markdown = decision_report(lineage, number)
+    if rows:
+        create_table_artifact(
+            rows,
+            key=artifact_key(lineage, number, "heldout"),
+            description=f"{lineage} generation {number}: held-out scores, parent vs candidate (paired)",
+        )
+    create_markdown_artifact(
+        markdown,
+        key=artifact_key(lineage, number, "decision"),
+        description=f"{lineage} generation {number}: the decision and its gates",
+    )

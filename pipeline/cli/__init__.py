@@ -29,7 +29,7 @@ __all__ = ["app", "main"]
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app`` (each imports nothing heavy at load).
-    from pipeline.cli import advance, contract, core, dashboard, serve  # noqa: F401
+    from pipeline.cli import advance, contract, core, dashboard, serve, up  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     # The commands draw their own progress bars: no per-file "Loading weights" bars, no INFO line per
     # Prefect task (set these variables to see them again).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # CRITICAL: Prefect logs a failed task's traceback at ERROR, also for a user's mistake that main() prints
+    # as one line below (our bugs still reach main() and keep their traceback).
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
     # peft asks transformers 5 a question under its old name; nothing the user can act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     _register_commands()
