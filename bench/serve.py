@@ -20,7 +20,10 @@ Modes:
    ``segments`` rows grouped by adapter; also peft's own ``adapter_names``);
 3. naive: one request at a time, switching peft's active adapter per request (batch size 1);
 4. HTTP: ``--clients`` concurrent OpenAI clients against ``create_app`` on uvicorn (routing, views,
-   summaries and experience logging included): p50 / p95 latency and requests per second.
+   summaries and experience logging included): p50 / p95 latency and requests per second;
+5. adapter LRU: the same requests with adapters drawn Zipf(1.1), in batches of ``--lru-batch``, on a
+   runtime that keeps only ``--max-loaded`` adapters attached (the others attached again on demand from
+   their checked safetensors) against one with all attached: throughput ratio, hit rate, time per swap.
 
 Every row decodes exactly ``--new-tokens`` tokens (end tokens are ignored) so the modes do equal work.
 Targets: tiny (issue 4) mixed/base >= 0.7, mixed/naive >= 3; real (issue 9) mixed with separate LoRA /
@@ -196,6 +199,7 @@ def bench(model: str, args) -> None:
         best = {name: tuple(min(r[name][i] for r in rounds) for i in range(2)) for name in modes}
         best["naive"] = naive(peft_rt, mixed)
         lat, wall = run_http(root, base, sources, items, args, default_mode) if args.clients else ([], 0.0)
+        lru = run_lru(base, sources, where, mixed, mixed_rt, args) if args.max_loaded else None
         prompt_lengths = sorted(len(r.prompt_ids) for r in mixed)
 
     print(
@@ -235,7 +239,36 @@ def bench(model: str, args) -> None:
             f"HTTP {args.clients} clients, {len(lat)} requests: p50 {p50 * 1000:.0f} ms, "
             f"p95 {p95 * 1000:.0f} ms, {len(lat) / wall:.1f} req/s"
         )
+    if lru is not None:
+        (all_s, lru_s), stats = lru
+        print(
+            f"adapter LRU ({args.max_loaded} of {len(SPECIALISTS)} attached, Zipf, batch {args.lru_batch}): "
+            f"{tokens / lru_s:8.0f} tok/s vs all attached {tokens / all_s:8.0f} tok/s ({all_s / lru_s:4.2f}x); "
+            f"hit rate {stats.hit_rate:.2f}, {stats.swaps} swaps, {stats.swap_seconds / max(1, stats.swaps) * 1000:.1f} "
+            f"ms each (max {stats.max_swap_seconds * 1000:.1f} ms), {stats.loads} loads"
+        )
     print(f"{model}: {time.perf_counter() - started:.0f} s")
+
+
+def run_lru(base, sources, where, mixed, all_rt, args):
+    """(seconds with all attached, seconds with the LRU) for the requests with Zipf-drawn adapters."""
+    import dataclasses
+    import random
+
+    from pipeline.serving.runtime import load_runtime
+
+    rng = random.Random(0)
+    weights = [1 / (k + 1) ** 1.1 for k in range(len(SPECIALISTS))]
+    reqs = [dataclasses.replace(r, adapter=rng.choices(SPECIALISTS, weights)[0]) for r in mixed]
+    lru_rt = load_runtime(base, sources, where=where, max_loaded=args.max_loaded)
+    lru_rt.end_ids = set()
+    if lru_rt.segmented is not None and all_rt.segmented is not None:
+        lru_rt.lora_mode = lru_rt.segmented.mode = all_rt.segmented.mode  # kept over every swap
+    timed_generate(lru_rt, reqs[: args.lru_batch], args.lru_batch)  # warm-up
+    lru_rt.pool.stats = type(lru_rt.pool.stats)()
+    all_s = timed_generate(all_rt, reqs, args.lru_batch)[0]
+    lru_s = timed_generate(lru_rt, reqs, args.lru_batch)[0]
+    return (all_s, lru_s), lru_rt.pool.stats
 
 
 def main() -> None:
@@ -245,6 +278,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--clients", type=int, default=32, help="HTTP clients (0: no HTTP run)")
+    ap.add_argument("--max-loaded", type=int, default=2, help="adapters attached in the LRU run (0: none)")
+    ap.add_argument("--lru-batch", type=int, default=8, help="batch size of the LRU run")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved rounds (tiny 5, real 3)")
     ap.add_argument(
         "--model-dir", type=Path, default=None, help="a built tiny model (default: random weights)"

@@ -8,51 +8,86 @@ import typer
 
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
+from pipeline.serving.served import ServeConfig as C  # its defaults are the options' defaults
 
 
 @app.command("serve")
 def serve(
     generation: Annotated[
         str, typer.Option(help="`champion` (follows promotions live) or a generation number.")
-    ] = "champion",
+    ] = C.generation,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    lineage: Annotated[str, typer.Option(help="Lineage whose generation is served.")] = "main",
+    lineage: Annotated[str, typer.Option(help="Lineage whose generation is served.")] = C.lineage,
     engine: Annotated[
         str, typer.Option(help="`embedded` (transformers + peft in this process) or `external`.")
-    ] = "embedded",
+    ] = C.engine,
     engine_url: Annotated[
         str | None, typer.Option(help="External OpenAI-compatible multi-LoRA server (vLLM, SGLang).")
-    ] = None,
+    ] = C.engine_url,
     engine_model: Annotated[
-        str, typer.Option(help="External engine's model name per adapter; fields {specialist} {generation}.")
-    ] = "{specialist}",
-    max_batch_size: Annotated[int, typer.Option(min=1, help="Rows per mixed-adapter batch.")] = 32,
-    max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a batch waits to fill.")] = 5.0,
+        str,
+        typer.Option(
+            help="Model name per adapter on the external engine (and of --expose-adapters); fields "
+            "{specialist} {generation}. With {generation}, a new champion's adapters are loaded into the "
+            "engine (/v1/load_lora_adapter) before turns go to them."
+        ),
+    ] = C.engine_model_template,
+    max_batch_size: Annotated[
+        int, typer.Option(min=1, help="Rows per mixed-adapter batch.")
+    ] = C.max_batch_size,
+    max_wait_ms: Annotated[
+        float, typer.Option(min=0, help="How long a batch waits to fill.")
+    ] = C.max_wait_ms,
     poll_seconds: Annotated[
         float, typer.Option(min=0, help="Registry poll for a new champion; 0: only POST /admin/reload.")
-    ] = 5.0,
+    ] = C.poll_seconds,
     threads: Annotated[
         int,
         typer.Option(min=0, help="Torch CPU threads; 0: torch's default. A tiny model is fastest with 1."),
-    ] = 0,
+    ] = C.threads,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(min=0, help="Largest request body; a larger one gets 413 while it is read. 0: none."),
+    ] = C.max_body_bytes,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Chat requests in flight at once; one more gets 429 with Retry-After. 0: none."
+        ),
+    ] = C.max_queue,
+    request_timeout_s: Annotated[
+        float,
+        typer.Option(min=0, help="A turn still decoding after this many seconds is stopped (504). 0: none."),
+    ] = C.request_timeout_s,
+    max_lora_rank: Annotated[
+        int, typer.Option(min=1, help="Adapters of a higher rank are refused at load.")
+    ] = C.max_lora_rank,
+    max_loaded_adapters: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Adapters attached at once; the others are attached on demand (LRU). 0: all."
+        ),
+    ] = C.max_loaded_adapters,
     expose_adapters: Annotated[
         bool,
-        typer.Option(help="Serve each adapter as its own model, with no routing or logging (engine mode)."),
+        typer.Option(
+            help="Serve each adapter as its own model, with no routing or logging (engine mode); adapters "
+            "can be loaded at run time (vLLM's /v1/load_lora_adapter) when RATCHET_API_KEY is set."
+        ),
     ] = False,
 ) -> None:
     """Serve a generation: route each turn to one specialist, answer, record it as experience."""
 
     import uvicorn
 
-    from pipeline.serving.served import ServeConfig
     from pipeline.settings import get_settings
 
     settings = get_settings()
     settings.ensure_home()
     if engine not in ("embedded", "external"):
         raise RatchetError(f"--engine must be `embedded` or `external`, not {engine!r}")
-    config = ServeConfig(
+    config = C(
         registry_url=settings.registry_url,
         lineage=lineage,
         generation=generation,
@@ -66,19 +101,30 @@ def serve(
         api_key=settings.api_key,
         device=settings.device,
         threads=threads,
+        max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
+        request_timeout_s=request_timeout_s,
+        max_lora_rank=max_lora_rank,
+        max_loaded_adapters=max_loaded_adapters,
     )
     if expose_adapters:
         from pipeline.registry import get_engine
         from pipeline.serving.adapter_app import create_adapter_app
         from pipeline.serving.scheduler import MicroBatchScheduler
-        from pipeline.serving.served import load_served, plan_generation
+        from pipeline.serving.served import engine_model_names, load_served, plan_generation
 
         config.engine = "embedded"
         plan = plan_generation(get_engine(config.registry_url), lineage, generation)
         served = load_served(
             plan, config, MicroBatchScheduler(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
         )
-        web = create_adapter_app(served.engine, api_key=settings.api_key)  # type: ignore[arg-type]
+        names = engine_model_names(config, served.specialists, plan.number)
+        web = create_adapter_app(
+            served.engine,  # type: ignore[arg-type]
+            api_key=settings.api_key,
+            model_names={name: s for s, name in names.items()},
+            max_body_bytes=max_body_bytes,
+        )
         typer.echo(f"serving generation {plan.number}'s adapters as models on http://{host}:{port}/v1")
     else:
         from pipeline.serving.server import create_app

@@ -3,37 +3,39 @@
 Modules: ``router`` (pure routing policy, learned classifier, accuracy), ``routereval`` (router accuracy
 per generation), ``toolcalls`` (tool-call text formats <-> OpenAI ``tool_calls``), ``views`` (per-specialist
 views, turn memory, summaries), ``runtime`` (checked adapter loading, batched mixed-adapter decoding),
-``mixlora`` (fast per-row LoRA), ``scheduler`` (async micro-batching), ``engines`` (embedded / external
-OpenAI-compatible), ``served`` (``ServeConfig``, loading a generation), ``turns`` (route -> answer ->
+``adapters`` (adapter checks, the attached-adapter budget), ``mixlora`` (fast per-row LoRA), ``scheduler``
+(async micro-batching), ``engines`` (embedded / external OpenAI-compatible), ``limits`` (body size,
+admission, disconnects), ``served`` (``ServeConfig``, loading a generation), ``turns`` (route -> answer ->
 summary -> record), ``recorder`` (experience writer), ``protocol`` (OpenAI wire format), ``server``
 (``create_app``), ``adapter_app`` (the embedded engine as a multi-LoRA OpenAI server).
 
 Importing the package is torch-free; torch / transformers / peft / fastapi load in the modules that use them.
 """
 
-from pipeline.serving.router import (
-    RouteDecision,
-    RouterEvaluation,
-    RouteTurn,
-    TokenClassifier,
-    evaluate_router,
-    route_turn,
-    signal_scores,
-    turn_from_messages,
-)
-from pipeline.toolcalls import parse_tool_calls, register_format, render_tool_calls, to_openai
+from typing import Any
 
-__all__ = [
-    "RouteDecision",
-    "RouteTurn",
-    "RouterEvaluation",
-    "TokenClassifier",
-    "evaluate_router",
-    "parse_tool_calls",
-    "register_format",
-    "render_tool_calls",
-    "route_turn",
-    "signal_scores",
-    "to_openai",
-    "turn_from_messages",
-]
+# Names resolved on first use (PEP 562), so that importing a light module of the package (``served`` for
+# ``ServeConfig``, as the CLI does) does not load the router and the harness.
+_EXPORTS = {
+    "RouteDecision": "pipeline.serving.router",
+    "RouteTurn": "pipeline.serving.router",
+    "RouterEvaluation": "pipeline.serving.router",
+    "TokenClassifier": "pipeline.serving.router",
+    "evaluate_router": "pipeline.serving.router",
+    "route_turn": "pipeline.serving.router",
+    "signal_scores": "pipeline.serving.router",
+    "turn_from_messages": "pipeline.serving.router",
+    "parse_tool_calls": "pipeline.toolcalls",
+    "register_format": "pipeline.toolcalls",
+    "render_tool_calls": "pipeline.toolcalls",
+    "to_openai": "pipeline.toolcalls",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipeline.serving' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

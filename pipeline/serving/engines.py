@@ -5,6 +5,11 @@ Both take the same ``EngineRequest`` (a specialist and its view of the conversat
 deltas followed by one ``EngineResult``, so routing, views, summaries and experience logging in front of
 them are identical. ``ratchet serve --expose-adapters`` serves the embedded engine in the external
 engines' shape (model name = specialist), which is how the external path is tested.
+
+A request's ``abort`` (``runtime.Abort``) stops it: the embedded engine drops its row from the batch, the
+external one closes its stream (which the engine sees as a client leaving); either way the text so far
+comes back with the abort's reason as the finish reason. ``ExternalEngine.load_adapter`` /
+``unload_adapter`` use vLLM's runtime LoRA endpoints (``/v1/load_lora_adapter``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.errors import RatchetError
-from pipeline.serving.runtime import GenerationRequest, MixtureRuntime
+from pipeline.serving.runtime import UNKNOWN, Abort, AdapterSource, GenerationRequest, MixtureRuntime
 from pipeline.serving.scheduler import MicroBatchScheduler
 
 
@@ -32,6 +37,7 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None  # offered to engines whose models call tools natively
+    abort: Abort | None = None  # set to stop it (timeout, client gone)
 
 
 @dataclass
@@ -86,11 +92,16 @@ class EmbeddedEngine:
                 top_p=request.top_p,
                 stop=request.stop,
                 seed=request.seed,
+                abort=request.abort,
             ),
         )
+        if request.abort is not None:
+            request.abort.on_set(ticket.abort)
         async for delta in ticket.stream():
             yield delta
         r = await ticket.result
+        if r.finish_reason == UNKNOWN:
+            raise RatchetError(f"specialist {request.specialist!r} was unloaded before it was served")
         yield EngineResult(r.text, r.prompt_tokens, r.completion_tokens, r.finish_reason)
 
     async def label_scores(
@@ -159,6 +170,42 @@ class ExternalEngine:
         return body
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
+        """The engine's stream, read in its own task so that an abort can close it at any moment."""
+        queue: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.get_running_loop().create_task(self._read(request, queue))
+        # cancelled before its first step, the reader never ran: answer for it
+        reader.add_done_callback(lambda t: t.cancelled() and queue.put_nowait(self._stopped(request, "")))
+        if request.abort is not None:
+            request.abort.on_set(lambda _reason: reader.cancel())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, EngineResult):
+                    return
+        finally:
+            reader.cancel()
+
+    async def _read(self, request: EngineRequest, queue: asyncio.Queue) -> None:
+        text = ""
+        try:
+            async for item in self._events(request):
+                if isinstance(item, str):
+                    text += item
+                queue.put_nowait(item)
+        except asyncio.CancelledError:  # aborted: what came so far, and why it stopped
+            queue.put_nowait(self._stopped(request, text))
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    def _stopped(self, request: EngineRequest, text: str) -> EngineResult:
+        reason = (request.abort.reason if request.abort is not None else None) or "cancelled"
+        tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"] if self.tokenizer else ()
+        return EngineResult(text, self.count_tokens(request.messages), len(tokens), reason)
+
+    async def _events(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
         text, finish, usage, calls = "", "stop", {}, {}
         async with self.client.stream("POST", "/chat/completions", json=self._body(request)) as resp:
             if resp.status_code >= 400:
@@ -201,8 +248,56 @@ class ExternalEngine:
     ) -> dict[str, float]:
         raise RatchetError("entry-adapter label decoding needs the embedded engine; use a trained classifier")
 
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        try:
+            return await self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise RatchetError(f"external engine {self.base_url}{path} unreachable: {exc!r}") from None
+
+    async def model_ids(self) -> set[str]:
+        """The model names the engine serves now (``GET /v1/models``)."""
+        resp = await self._call("GET", "/models")
+        if resp.status_code >= 400:
+            raise RatchetError(f"external engine {self.base_url}: GET /models answered {resp.status_code}")
+        return {str(m.get("id")) for m in resp.json().get("data") or []}
+
+    async def load_adapter(self, name: str, src: AdapterSource) -> None:
+        """Have the engine load ``src`` as model ``name`` (vLLM's ``POST /v1/load_lora_adapter``; the
+        sha256 and base model id are extra fields that the project's own engine checks)."""
+        body = {
+            "lora_name": name,
+            "lora_path": str(src.path),
+            "sha256": src.sha256,
+            "base_model_id": src.base_model_id,
+        }
+        resp = await self._call("POST", "/load_lora_adapter", json=body)
+        if resp.status_code >= 400:
+            raise RatchetError(
+                f"external engine {self.base_url} refused to load adapter {name!r} from {src.path}: "
+                f"{resp.status_code} {_message(resp)}"
+            )
+
+    async def unload_adapter(self, name: str) -> None:
+        resp = await self._call("POST", "/unload_lora_adapter", json={"lora_name": name})
+        if resp.status_code >= 400:
+            raise RatchetError(
+                f"external engine {self.base_url} refused to unload {name!r}: {resp.status_code} {_message(resp)}"
+            )
+
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _message(resp: Any) -> str:
+    """The error message of an engine's answer (OpenAI's or vLLM's error shape, or its text)."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    err = data.get("error", data) if isinstance(data, dict) else data
+    return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
 
 
 async def complete(engine: Engine, request: EngineRequest) -> EngineResult:

@@ -92,9 +92,17 @@ class _Group:
 
 
 def install(
-    model: Any, adapters: list[str], *, max_stacked: int = 512, merge_budget_bytes: int = 256 << 20
+    model: Any,
+    adapters: list[str],
+    *,
+    max_stacked: int = 512,
+    merge_budget_bytes: int = 256 << 20,
+    calibration: dict | None = None,
 ) -> MixedLora:
-    """Take over ``model``'s LoRA layers (check ``supported`` first); returns the shared batch state."""
+    """Take over ``model``'s LoRA layers (check ``supported`` first); returns the shared batch state.
+
+    ``calibration``: a cache of which layers share an input, kept by the caller across installs on the
+    same model (the layers' grouping does not depend on which adapters they hold)."""
     import torch
     from peft.tuners.lora.layer import Linear
 
@@ -105,7 +113,13 @@ def install(
     mode = "merged" if merge else "stacked" if len(adapters) * rank <= max_stacked else "segments"
     state = MixedLora(adapters=list(adapters), rank=rank, mode=mode, layers=len(layers))
     n = len(adapters)
-    leaders = _calibrate(model, layers)
+    key = tuple(id(m) for m in layers)
+    leaders = calibration.get(key) if calibration is not None else None
+    if leaders is None:
+        leaders = _calibrate(model, layers)
+        if calibration is not None:
+            calibration.clear()
+            calibration[key] = leaders
     groups: dict[int, list[int]] = {}
     for i, leader in enumerate(leaders):
         groups.setdefault(leader, []).append(i)

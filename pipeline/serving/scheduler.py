@@ -3,20 +3,26 @@ share one mixed-adapter batch, decoded in a worker thread so the event loop keep
 
 ``submit(runtime, request)`` returns a ``Ticket``: iterate it for text deltas (streaming) or await
 ``ticket.result``. A batch only mixes requests for the same runtime, so a generation switch never mixes
-old and new adapters; requests already queued for the old runtime still run on it.
+old and new adapters; requests already queued for the old runtime still run on it. A batch uses at most
+as many distinct adapters as the runtime may hold attached (``max_adapters_per_batch``); requests for
+others wait for the next batch, in arrival order.
+
+``ticket.abort(reason)`` stops a request: one still waiting is answered at once without being decoded,
+one in a batch leaves it at the next decoding step (``GenerationRequest.abort``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.serving.runtime import GenerationRequest, GenerationResult
+from pipeline.serving.runtime import Abort, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,15 @@ class Ticket:
     request: GenerationRequest
     result: asyncio.Future
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    started: bool = False  # taken into a batch
+
+    def abort(self, reason: str) -> None:
+        """Stop this request (call from the event loop); its result says ``reason``."""
+        if self.request.abort is not None:
+            self.request.abort.set(reason)
+        if not self.started and not self.result.done():
+            self.deltas.put_nowait(None)
+            self.result.set_result(GenerationResult("", len(self.request.prompt_ids), 0, reason))
 
     async def stream(self) -> AsyncIterator[str]:
         while True:
@@ -68,6 +83,8 @@ class MicroBatchScheduler:
     def submit(self, runtime: Any, request: GenerationRequest) -> Ticket:
         """Queue ``request`` for ``runtime`` (a ``MixtureRuntime``)."""
         queue = self._ensure_started()
+        if request.abort is None:
+            request = dataclasses.replace(request, abort=Abort())
         ticket = Ticket(runtime, request, asyncio.get_running_loop().create_future())
         queue.put_nowait(ticket)
         return ticket
@@ -75,12 +92,31 @@ class MicroBatchScheduler:
     async def _collect(self) -> list[Ticket]:
         assert self._queue is not None
         first = self._held.pop(0) if self._held else await self._queue.get()
+        while first.result.done():  # aborted while it waited
+            first = self._held.pop(0) if self._held else await self._queue.get()
         batch = [first]
+        cap = getattr(first.runtime, "max_adapters_per_batch", None)
+        adapters = {_adapter(first)} - {None}
+
+        def fits(t: Ticket) -> bool:
+            if t.runtime is not first.runtime or len(batch) >= self.max_batch_size:
+                return False
+            name = _adapter(t)
+            return cap is None or name is None or name in adapters or len(adapters) < cap
+
+        def take(t: Ticket) -> None:
+            if t.result.done():
+                return
+            if fits(t):
+                batch.append(t)
+                adapters.add(_adapter(t))
+                adapters.discard(None)
+            else:
+                self._held.append(t)
+
         rest, self._held = self._held, []
         for t in rest:
-            (batch if t.runtime is first.runtime and len(batch) < self.max_batch_size else self._held).append(
-                t
-            )
+            take(t)
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
             remaining = deadline - time.monotonic()
@@ -92,7 +128,9 @@ class MicroBatchScheduler:
                 )
             except (TimeoutError, asyncio.QueueEmpty):
                 break
-            (batch if t.runtime is first.runtime else self._held).append(t)
+            take(t)
+        for t in batch:
+            t.started = True
         return batch
 
     async def _run(self) -> None:
@@ -139,3 +177,10 @@ class MicroBatchScheduler:
             if not t.result.done():
                 t.result.set_exception(RuntimeError("the server is shutting down"))
         self._worker, self._queue, self._held = None, None, []
+
+
+def _adapter(ticket: Ticket) -> str | None:
+    """The adapter a ticket's row needs attached (None: the base model, which needs none)."""
+    runtime = ticket.runtime
+    name = runtime.adapter_name(ticket.request.adapter) if hasattr(runtime, "adapter_name") else None
+    return None if name is None or name == "__base__" else name

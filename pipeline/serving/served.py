@@ -5,21 +5,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.harness import HarnessSpec
-from pipeline.serving.engines import EmbeddedEngine, Engine, ExternalEngine
-from pipeline.serving.router import TokenClassifier
-from pipeline.serving.runtime import AdapterSource, load_runtime
-from pipeline.serving.scheduler import MicroBatchScheduler
+
+if TYPE_CHECKING:  # imported where used: the CLI reads ServeConfig without loading the harness or torch
+    from pipeline.harness import HarnessSpec
+    from pipeline.serving.adapters import AdapterSource
+    from pipeline.serving.engines import Engine
+    from pipeline.serving.router import TokenClassifier
+    from pipeline.serving.scheduler import MicroBatchScheduler
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ServeConfig:
-    """How ``ratchet serve`` runs (CLI options map one to one)."""
+    """How ``ratchet serve`` runs (CLI options map one to one; their defaults are these)."""
 
     registry_url: str | None = None
     lineage: str = "main"
@@ -37,6 +39,16 @@ class ServeConfig:
     flush_seconds: float = 0.5
     summary_tokens: int = 24
     threads: int = 0  # torch intra-op threads for the embedded engine; 0: torch's default
+    # Request limits. A body is counted while it is read: a larger one is refused (413) before it is
+    # buffered. 4 MiB holds a 128k-token conversation of ordinary text with room for tools.
+    max_body_bytes: int = 4 << 20
+    # Chat requests admitted at once (waiting for a batch or decoding); one more gets 429 with Retry-After
+    # (503 while the server is stopping or loading a new generation). 0: no limit.
+    max_queue: int = 256
+    request_timeout_s: float = 300.0  # a turn still decoding after this is stopped (504); 0: none
+    max_lora_rank: int = 64  # adapters of a higher rank are refused when loaded
+    # Adapters kept attached at once (least recently used evicted, attached again on demand); 0: all.
+    max_loaded_adapters: int = 0
 
     def follows_champion(self) -> bool:
         return self.generation == "champion"
@@ -54,6 +66,9 @@ class Served:
     specialists: list[str]
     classifier: TokenClassifier | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # external engine: its model name -> the sha256 of the adapter it must serve under that name
+    engine_adapters: dict[str, str] = field(default_factory=dict)
+    plan: GenerationPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,7 @@ class GenerationPlan:
 def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
     """Read the generation to serve (``champion`` or a number) from the registry (``db``: an engine)."""
     from pipeline.registry import get_champion, get_generation, session_scope
+    from pipeline.serving.adapters import AdapterSource
 
     with session_scope(db) as session:
         if which == "champion":
@@ -125,6 +141,11 @@ def champion_id(db: Any, lineage: str) -> int | None:
 
 def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatchScheduler) -> Served:
     """Load ``plan`` behind the configured engine (blocking: call it in a thread from async code)."""
+    from pipeline.harness import HarnessSpec
+    from pipeline.serving.engines import EmbeddedEngine, ExternalEngine
+    from pipeline.serving.router import TokenClassifier
+    from pipeline.serving.runtime import load_runtime
+
     try:
         harness = HarnessSpec.model_validate(plan.harness_spec)
     except ValueError as exc:
@@ -151,6 +172,8 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             where=placement(dtype=spec.dtype if spec else "auto", device=config.device),
             tokenizer_dir=tokenizer_dir(spec.tokenizer if spec else "same_as_base", plan.base_path),
             tool_call_format=harness.tool_call_format,
+            max_rank=config.max_lora_rank,
+            max_loaded=config.max_loaded_adapters or None,
         )
         engine: Engine = EmbeddedEngine(runtime, scheduler)
     else:
@@ -169,15 +192,13 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             limit = getattr(AutoConfig.from_pretrained(plan.base_path), "max_position_embeddings", None)
         engine = ExternalEngine(
             config.engine_url,
-            model_names={
-                s: config.engine_model_template.format(specialist=s, generation=plan.number)
-                for s in specialists
-            },
+            model_names=engine_model_names(config, specialists, plan.number),
             api_key=config.engine_api_key,
             context_limit=limit,
             tokenizer=tokenizer,
         )
     log.info("serving generation %d (%s) with %s engine", plan.number, ", ".join(specialists), config.engine)
+    names = getattr(engine, "model_names", {})
     return Served(
         generation_id=plan.generation_id,
         number=plan.number,
@@ -186,4 +207,53 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
         engine=engine,
         specialists=specialists,
         classifier=classifier,
+        engine_adapters={names[a.specialist]: a.sha256 for a in plan.adapters if a.specialist in names},
+        plan=plan,
     )
+
+
+def engine_model_names(config: ServeConfig, specialists: list[str], number: int) -> dict[str, str]:
+    """Each specialist's model name on the external engine (``--engine-model``)."""
+    try:
+        return {s: config.engine_model_template.format(specialist=s, generation=number) for s in specialists}
+    except (KeyError, IndexError, ValueError) as exc:
+        raise RatchetError(
+            f"--engine-model {config.engine_model_template!r}: {exc!r}; the fields are {{specialist}} and "
+            "{generation}"
+        ) from None
+
+
+async def sync_engine_adapters(served: Served, *, previous: Served | None) -> set[str]:
+    """Make the external engine serve ``served``'s adapters under their model names before any turn goes
+    to them: a name the engine lacks is loaded (``ExternalEngine.load_adapter``, vLLM's runtime LoRA
+    loading). A name it has is taken as is, unless ``previous`` (the generation served now) has a different
+    adapter under it: the engine would serve the old weights. Returns the names loaded; on a failure the
+    ones loaded here are unloaded again and ``RatchetError`` says why."""
+    engine: Any = served.engine
+    plan = served.plan
+    assert plan is not None
+    present = await engine.model_ids()
+    before = previous.engine_adapters if previous is not None else {}
+    loaded: list[str] = []
+    try:
+        for src in plan.adapters:
+            name = engine.model_names[src.specialist]
+            if name in present:
+                if before.get(name, src.sha256) != src.sha256:
+                    raise RatchetError(
+                        f"the external engine serves generation {previous.number}'s {src.specialist} adapter "  # type: ignore[union-attr]
+                        f"as {name!r}, and generation {served.number}'s differs: put {{generation}} in "
+                        "--engine-model so both can be loaded side by side"
+                    )
+                continue
+            await engine.load_adapter(name, src)
+            loaded.append(name)
+            log.info("external engine loaded %s from %s", name, src.path)
+    except BaseException:
+        for name in loaded:
+            try:
+                await engine.unload_adapter(name)
+            except Exception as exc:  # the engine is gone: nothing more to undo
+                log.warning("could not unload %s again: %s", name, exc)
+        raise
+    return set(loaded)

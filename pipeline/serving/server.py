@@ -11,6 +11,11 @@
   swapped in; requests in flight finish on the generation they started with.
 - Client mistakes get OpenAI error objects with 4xx; ``RATCHET_API_KEY`` (``config.api_key``) requires a
   bearer key on every endpoint but ``/health``.
+- Limits (``pipeline.serving.limits``): a body over ``max_body_bytes`` is refused while it is read (413);
+  beyond ``max_queue`` turns in flight a request gets 429 (503 while stopping or loading a generation)
+  with ``Retry-After``; a turn past ``request_timeout_s`` is stopped (504, or an error event ending the
+  stream); a client that disconnects has its row dropped from the batch. Both stopped turns are recorded
+  with what was produced until then.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.serving.engines import EngineResult
+from pipeline.serving.limits import read_body, watch_disconnect
 from pipeline.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -53,7 +58,7 @@ class FeedbackRequest(BaseModel):
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -113,7 +118,12 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "generation": state.current.number if state.current else None}
+        return {
+            "status": "ok",
+            "generation": state.current.number if state.current else None,
+            "in_flight": state.admission.inflight,  # chat turns admitted and still decoding
+            "refused": state.admission.refused,  # 429 / 503 answers since the start
+        }
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -136,12 +146,12 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/admin/reload")
     async def reload(request: Request) -> dict[str, Any]:
         check_key(request, config.api_key)
-        return await state.reload()
+        return await state.reload(retry=True)
 
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> dict[str, Any]:
         check_key(request, config.api_key)
-        body = parse_body(await request.body(), FeedbackRequest)
+        body = parse_body(await read_body(request, config.max_body_bytes), FeedbackRequest)
         if body.rating is None and body.correction is None:
             raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
         task = state.pending.get(body.completion_id)
@@ -160,25 +170,42 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         check_key(request, config.api_key)
-        req = parse_body(await request.body(), ChatRequest)
-        if req.model != config.model_name:
-            raise ApiError(
-                404,
-                f"model {req.model!r} does not exist: this server serves {config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        turn = await state.prepare(req, started=time.perf_counter())
+        started = time.perf_counter()
+        slot = state.admit()  # refused at once when full, before the body is read
+        try:
+            req = parse_body(await read_body(request, config.max_body_bytes), ChatRequest)
+            if req.model != config.model_name:
+                raise ApiError(
+                    404,
+                    f"model {req.model!r} does not exist: this server serves {config.model_name!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+            turn = await state.prepare(req, started=started, slot=slot)
+        except BaseException:
+            slot.release()
+            raise
         specialist, number = turn.decision.specialist, turn.served.number
         meta = {"specialist": specialist, "generation": number, "route_reason": turn.decision.reason}
         headers = {"X-Ratchet-Specialist": specialist, "X-Ratchet-Generation": str(number)}
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, turn.abort))
         if req.stream:
+            queue: asyncio.Queue = asyncio.Queue()
+            state.track(cid_key(turn.cid, "stream"), _produce(state, turn, queue))
             return StreamingResponse(
-                _stream(state, turn, meta), media_type="text/event-stream", headers=headers
+                _stream(state, turn, meta, queue, watcher), media_type="text/event-stream", headers=headers
             )
         task = asyncio.get_running_loop().create_task(state.complete_turn(turn))
-        state.track(turn.cid + ":turn", task)
-        message, finish, result = await asyncio.shield(task)
+        state.track(cid_key(turn.cid, "turn"), task)
+        try:
+            await asyncio.wait([task], timeout=state.time_left(turn))
+        finally:
+            watcher.cancel()
+        if not task.done():
+            raise state.timeout_error()
+        message, finish, result = task.result()
+        if result.finish_reason == "timeout":
+            raise state.timeout_error()
         body = completion_body(
             cid=turn.cid,
             model=req.model,
@@ -212,59 +239,69 @@ def _attach(db: Any, body: FeedbackRequest) -> int:
     return len(done)
 
 
-async def _stream(state: ServerState, turn: ChatTurn, meta: dict) -> AsyncIterator[str]:
-    """SSE chunks. Decoding and recording run in their own task, so a client that leaves mid-stream
-    still leaves its turn in the experience."""
-    req, cid, created, model = turn.req, turn.cid, turn.created, turn.req.model
-    buffer = bool(req.tool_names())  # a tool call is only known once the whole text is there
-    queue: asyncio.Queue = asyncio.Queue()
+def cid_key(cid: str, what: str) -> str:
+    return f"{cid}:{what}"
+
+
+def _produce(state: ServerState, turn: ChatTurn, queue: asyncio.Queue) -> asyncio.Task:
+    """Decode and record the turn in its own task (a client that leaves mid-stream still leaves its turn
+    in the experience); text deltas, then the reply or the exception, go to ``queue``."""
 
     async def produce() -> None:
         try:
-            result = None
-            async for item in turn.served.engine.stream(turn.ereq):
-                if isinstance(item, EngineResult):
-                    result = item
-                else:
-                    queue.put_nowait(item)
-            assert result is not None
-            message, finish = state.answer_message(turn, result)
-            state.finish_turn(turn, message, result)
-            queue.put_nowait((message, finish, result))
+            queue.put_nowait(await state.complete_turn(turn, queue.put_nowait))
         except Exception as exc:
-            log.exception("stream %s failed", cid)
+            log.exception("stream %s failed", turn.cid)
             queue.put_nowait(exc)
 
-    state.track(cid + ":stream", asyncio.get_running_loop().create_task(produce()))
+    return asyncio.get_running_loop().create_task(produce())
 
-    yield chunk(cid, model, created, {"role": "assistant", "content": ""}, metadata=meta)
-    while True:
-        item = await queue.get()
-        if isinstance(item, Exception):
-            yield sse({"error": {"message": "internal server error", "type": "server_error"}})
+
+async def _stream(
+    state: ServerState, turn: ChatTurn, meta: dict, queue: asyncio.Queue, watcher: asyncio.Task
+) -> AsyncIterator[str]:
+    """SSE chunks from ``queue`` (see ``_produce``); if the client leaves first, its row is dropped."""
+    req, cid, created, model = turn.req, turn.cid, turn.created, turn.req.model
+    buffer = bool(req.tool_names())  # a tool call is only known once the whole text is there
+    try:
+        yield chunk(cid, model, created, {"role": "assistant", "content": ""}, metadata=meta)
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), state.time_left(turn))
+            except TimeoutError:
+                yield sse(state.timeout_error().body())
+                return
+            if isinstance(item, Exception):
+                yield sse({"error": {"message": "internal server error", "type": "server_error"}})
+                return
+            if isinstance(item, tuple):
+                message, finish, result = item
+                break
+            if not buffer:
+                yield chunk(cid, model, created, {"content": item})
+        if result.finish_reason == "timeout":
+            yield sse(state.timeout_error().body())
             return
-        if isinstance(item, tuple):
-            message, finish, result = item
-            break
-        if not buffer:
-            yield chunk(cid, model, created, {"content": item})
-    if buffer:
-        if message.get("tool_calls"):
-            calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
-            yield chunk(cid, model, created, {"tool_calls": calls})
-        elif message["content"]:
-            yield chunk(cid, model, created, {"content": message["content"]})
-    yield chunk(cid, model, created, {}, finish)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        usage = usage_of(result.prompt_tokens, result.completion_tokens)
-        yield sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            }
-        )
-    yield "data: [DONE]\n\n"
+        if buffer:
+            if message.get("tool_calls"):
+                calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
+                yield chunk(cid, model, created, {"tool_calls": calls})
+            elif message["content"]:
+                yield chunk(cid, model, created, {"content": message["content"]})
+        yield chunk(cid, model, created, {}, finish)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage = usage_of(result.prompt_tokens, result.completion_tokens)
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        yield "data: [DONE]\n\n"
+    finally:  # closed early (the client left) or done: either way nothing more is decoded for it
+        watcher.cancel()
+        turn.abort.set("disconnected")

@@ -2,7 +2,12 @@
 
 ``ServerState`` holds the served generation (swapped atomically when a new champion is promoted; requests
 in flight keep the one they started with), the micro-batching scheduler, the server-side ``TurnMemory``
-(who served which assistant message, and its summary) and the experience recorder.
+(who served which assistant message, and its summary), the admission of turns and the experience recorder.
+
+A turn still decoding ``request_timeout_s`` after it arrived is stopped (its row leaves the batch) and the
+client gets 504; a client that disconnects stops its turn the same way. Either turn is still recorded,
+with what the model produced until then and ``finish_reason`` ``timeout`` or ``disconnected`` (its
+summary is not generated: no more work is spent on it).
 """
 
 from __future__ import annotations
@@ -11,17 +16,27 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
+from pipeline.serving.limits import Admission, Slot
 from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
 from pipeline.serving.recorder import ExperienceRecorder, served_trace_row
 from pipeline.serving.router import RouteDecision, route_turn, turn_from_messages
+from pipeline.serving.runtime import Abort
 from pipeline.serving.scheduler import MicroBatchScheduler
-from pipeline.serving.served import ServeConfig, Served, champion_id, load_served, plan_generation
+from pipeline.serving.served import (
+    ServeConfig,
+    Served,
+    champion_id,
+    load_served,
+    plan_generation,
+    sync_engine_adapters,
+)
 from pipeline.serving.views import (
     ContextOverflowError,
     TurnMemory,
@@ -33,6 +48,11 @@ from pipeline.serving.views import (
 from pipeline.toolcalls import assistant_message
 
 log = logging.getLogger(__name__)
+# finish reasons of a turn stopped before its end, and what the recorded experience says about them
+STOPPED = {
+    "timeout": "stopped at the request timeout of {:g} s; the reply is what was produced until then",
+    "disconnected": "the client disconnected; the reply is what was produced until then",
+}
 
 
 @dataclass(frozen=True)
@@ -46,7 +66,13 @@ class ChatTurn:
     messages: list[dict]  # the client's messages, as sent
     cid: str
     created: int  # unix seconds, as the OpenAI protocol reports it
-    started: float  # perf_counter at arrival, for the recorded latency
+    started: float  # perf_counter at arrival, for the recorded latency and the timeout
+    slot: Slot | None = None  # its admission, released when decoding ends
+
+    @property
+    def abort(self) -> Abort:
+        assert self.ereq.abort is not None
+        return self.ereq.abort
 
 
 class ServerState:
@@ -64,6 +90,10 @@ class ServerState:
         self.reload_lock = asyncio.Lock()
         self.poller: asyncio.Task | None = None
         self.db: Any = None  # the registry's SQLAlchemy engine
+        self.admission = Admission(config.max_queue)
+        self.busy: str | None = None  # why no turn is admitted now even below the limit
+        self.failed: dict[int, str] = {}  # generation id -> why switching to it failed (not retried by polls)
+        self.engine_loaded: set[str] = set()  # external engine model names this server loaded
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -74,10 +104,22 @@ class ServerState:
         self.recorder = ExperienceRecorder(self.db, flush_seconds=cfg.flush_seconds)
         plan = await asyncio.to_thread(plan_generation, self.db, cfg.lineage, cfg.generation)
         self.current = await asyncio.to_thread(load_served, plan, cfg, self.scheduler)
+        if cfg.engine == "external":
+            try:  # the engine may come up later: serve anyway, as before
+                self.engine_loaded |= await sync_engine_adapters(self.current, previous=None)
+            except RatchetError as exc:
+                log.warning("%s", exc)
         if cfg.follows_champion() and cfg.poll_seconds > 0:
             self.poller = asyncio.get_running_loop().create_task(self._poll(), name="champion-poller")
 
+    def admit(self) -> Slot:
+        """Admit one chat turn, or refuse it at once (``limits.Admission``)."""
+        stats = self.scheduler.stats
+        per_turn = stats.busy_seconds / stats.rows if stats.rows else 1.0
+        return self.admission.admit(busy=self.busy, seconds_per_turn=per_turn)
+
     async def stop(self) -> None:
+        self.busy = "stopping"
         if self.poller is not None:
             self.poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -95,34 +137,73 @@ class ServerState:
         while True:
             await asyncio.sleep(self.config.poll_seconds)
             try:
-                await self.reload()
+                await self.reload(retry=False)
             except Exception:
                 log.exception(
                     "checking for a new champion failed; still serving generation %s",
                     self.current.number if self.current else None,
                 )
 
-    async def reload(self) -> dict[str, Any]:
-        """Switch to the lineage's champion if it changed (no-op when serving a pinned generation)."""
+    async def reload(self, *, retry: bool = True) -> dict[str, Any]:
+        """Switch to the lineage's champion if it changed (no-op when serving a pinned generation). A
+        champion that fails to load is logged once and the old one kept; polls do not retry it
+        (``retry``: ``POST /admin/reload`` does)."""
         cfg = self.config
         async with self.reload_lock:
             assert self.current is not None
             before = self.current.number
+            error = None
             if cfg.follows_champion():
                 gen_id = await asyncio.to_thread(champion_id, self.db, cfg.lineage)
                 if gen_id is not None and gen_id != self.current.generation_id:
-                    plan = await asyncio.to_thread(plan_generation, self.db, cfg.lineage, "champion")
-                    new = await asyncio.to_thread(load_served, plan, cfg, self.scheduler)
-                    old, self.current = self.current, new
-                    log.info("switched from generation %d to %d", old.number, new.number)
-                    asyncio.get_running_loop().call_later(
-                        60, lambda: asyncio.ensure_future(old.engine.aclose())
-                    )
+                    if retry or gen_id not in self.failed:
+                        error = await self._switch()
+                    else:
+                        error = self.failed[gen_id]
             return {
                 "generation": self.current.number,
                 "previous": before,
                 "switched": self.current.number != before,
+                **({"error": error} if error else {}),
             }
+
+    async def _switch(self) -> str | None:
+        """Load the champion and swap it in; on a failure keep the old one and return why."""
+        cfg, old = self.config, self.current
+        assert old is not None
+        plan = await asyncio.to_thread(plan_generation, self.db, cfg.lineage, "champion")
+        self.busy = "loading a new generation"
+        try:
+            new = await asyncio.to_thread(load_served, plan, cfg, self.scheduler)
+            if cfg.engine == "external":
+                try:
+                    self.engine_loaded |= await sync_engine_adapters(new, previous=old)
+                except BaseException:
+                    await new.engine.aclose()
+                    raise
+        except RatchetError as exc:
+            why = str(exc)
+            self.failed[plan.generation_id] = why
+            log.error("not switching to generation %d: %s; still serving %d", plan.number, why, old.number)
+            return why
+        finally:
+            self.busy = None
+        self.current = new
+        self.failed.pop(plan.generation_id, None)
+        log.info("switched from generation %d to %d", old.number, new.number)
+        asyncio.get_running_loop().call_later(60, lambda: asyncio.ensure_future(self._retire(old, new)))
+        return None
+
+    async def _retire(self, old: Served, new: Served) -> None:
+        """After the old generation's turns had time to finish: unload what this server loaded for it on
+        an external engine, and close its engine."""
+        for name in sorted((set(old.engine_adapters) - set(new.engine_adapters)) & self.engine_loaded):
+            try:
+                await old.engine.unload_adapter(name)  # type: ignore[attr-defined]
+                self.engine_loaded.discard(name)
+            except Exception as exc:
+                log.warning("could not unload %s from the external engine: %s", name, exc)
+        await old.engine.aclose()
 
     # ------------------------------------------------------------------------------------------ chat
     async def learned_scores(
@@ -139,7 +220,7 @@ class ServerState:
         except RatchetError:
             return None
 
-    async def prepare(self, req: ChatRequest, *, started: float) -> ChatTurn:
+    async def prepare(self, req: ChatRequest, *, started: float, slot: Slot | None = None) -> ChatTurn:
         """Route the request and build the specialist's view of the conversation."""
         served = self.current
         assert served is not None
@@ -183,8 +264,10 @@ class ServerState:
             stop=tuple(dict.fromkeys(req.stops() + tuple(dec.stop))),
             seed=req.seed,
             tools=tools,
+            abort=Abort(),
         )
-        return ChatTurn(req, served, decision, ereq, messages, new_completion_id(), int(time.time()), started)
+        cid = new_completion_id()
+        return ChatTurn(req, served, decision, ereq, messages, cid, int(time.time()), started, slot)
 
     def answer_message(self, turn: ChatTurn, result: EngineResult) -> tuple[dict, str]:
         """The reply: the engine's native tool calls, or the model's text read by the parser the loop uses
@@ -197,13 +280,49 @@ class ServerState:
         )
         return message, "tool_calls" if message.get("tool_calls") else result.finish_reason
 
-    async def complete_turn(self, turn: ChatTurn) -> tuple[dict, str, EngineResult]:
-        """Decode, build the reply and record the turn (run as its own task: a client that disconnects
-        does not cancel it)."""
-        result = await complete(turn.served.engine, turn.ereq)
+    async def complete_turn(
+        self, turn: ChatTurn, on_delta: Callable[[str], None] | None = None
+    ) -> tuple[dict, str, EngineResult]:
+        """Decode (text deltas to ``on_delta``), build the reply and record the turn (run as its own task:
+        a client that disconnects does not cancel it); stopped at the request timeout."""
+        timeout = self.config.request_timeout_s
+        timer = None
+        if timeout > 0:
+            left = max(0.0, timeout - (time.perf_counter() - turn.started))
+            timer = asyncio.get_running_loop().call_later(left, turn.abort.set, "timeout")
+        try:
+            result = None
+            async for item in turn.served.engine.stream(turn.ereq):
+                if isinstance(item, EngineResult):
+                    result = item
+                elif on_delta is not None:
+                    on_delta(item)
+            assert result is not None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if turn.slot is not None:
+                turn.slot.release()
         message, finish = self.answer_message(turn, result)
         self.finish_turn(turn, message, result)
         return message, finish, result
+
+    def time_left(self, turn: ChatTurn) -> float | None:
+        """Seconds the client still waits for ``turn`` (None: no timeout). Past the timeout it gets 504
+        even while the engine is still busy; the stopped turn is recorded when the engine lets go of it."""
+        timeout = self.config.request_timeout_s
+        if timeout <= 0:
+            return None
+        return max(0.0, timeout - (time.perf_counter() - turn.started)) + 0.25  # one step to stop cleanly
+
+    def timeout_error(self) -> ApiError:
+        return ApiError(
+            504,
+            f"the request was still decoding after {self.config.request_timeout_s:g} s (--request-timeout-s) "
+            "and was stopped",
+            type="server_error",
+            code="timeout",
+        )
 
     def track(self, key: str, task: asyncio.Task) -> None:
         """Keep ``task`` until it is done; shutdown waits for every tracked task."""
@@ -212,7 +331,8 @@ class ServerState:
 
     def finish_turn(self, turn: ChatTurn, message: dict, result: EngineResult) -> None:
         latency_ms = round((time.perf_counter() - turn.started) * 1000, 2)
-        self.memory.remember(message, TurnRecord(turn.decision.specialist, extract_summary(message)))
+        if result.finish_reason not in STOPPED:  # a stopped reply never reached the client
+            self.memory.remember(message, TurnRecord(turn.decision.specialist, extract_summary(message)))
         task = asyncio.get_running_loop().create_task(
             self._summarize_and_record(turn, message, result, latency_ms)
         )
@@ -223,12 +343,18 @@ class ServerState:
     ) -> None:
         served, decision, messages, cid = turn.served, turn.decision, turn.messages, turn.cid
         summary = extract_summary(message)
-        if served.harness.context.other_specialists == "summary" and not message.get("tool_calls"):
+        stopped = result.finish_reason in STOPPED
+        if (
+            served.harness.context.other_specialists == "summary"
+            and not message.get("tool_calls")
+            and not stopped
+        ):
             try:
                 summary = await self._summarize(served, turn.ereq, message) or summary
             except Exception:
                 log.exception("summary of %s failed; keeping the extractive one", cid)
-        self.memory.remember(message, TurnRecord(decision.specialist, summary))
+        if not stopped:
+            self.memory.remember(message, TurnRecord(decision.specialist, summary))
         routes, summaries = [], {}
         for i, m in enumerate(messages):
             rec = self.memory.lookup(m) if m.get("role") == "assistant" else None
@@ -256,6 +382,11 @@ class ServerState:
             "engine": self.config.engine,
             "summaries": summaries,
         }
+        names = getattr(served.engine, "model_names", None)
+        if names:
+            metadata["engine_model"] = names.get(decision.specialist)
+        if stopped:
+            metadata["stopped"] = STOPPED[result.finish_reason].format(self.config.request_timeout_s)
         row = served_trace_row(
             messages=[*messages, message],
             metadata=metadata,

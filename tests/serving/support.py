@@ -79,8 +79,10 @@ def build_base(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def build_adapter(base: Path, path: Path, seed: int, *, train: list[dict] | None = None) -> Path:
-    """A random LoRA (nonzero B), or one overfit on the single conversation ``train``."""
+def build_adapter(
+    base: Path, path: Path, seed: int, *, train: list[dict] | None = None, rank: int = RANK
+) -> Path:
+    """A random LoRA (nonzero B) of ``rank``, or one overfit on the single conversation ``train``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,7 +91,7 @@ def build_adapter(base: Path, path: Path, seed: int, *, train: list[dict] | None
 
     model = AutoModelForCausalLM.from_pretrained(base)
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=RANK, lora_alpha=16, target_modules=list(TARGETS), init_lora_weights=train is not None)
+    cfg = LoraConfig(r=rank, lora_alpha=16, target_modules=list(TARGETS), init_lora_weights=train is not None)
     peft_model = get_peft_model(model, cfg)
     if train is None:
         with torch.no_grad():
