@@ -233,24 +233,20 @@ def _candidate(
 
 
 def _run_steps(steps, *, generation_id: int, config: AdvanceConfig, gpu_limit: str | None = None) -> dict:
-    """Run those of ``steps`` not yet done for the candidate, each as a task; the last step's outcome."""
-    from pipeline.advance import TRACKED, step_functions
+    """Run those of ``steps`` not yet done for the candidate, each as a task (GPU steps under a slot of
+    ``gpu_limit``); the last step's outcome."""
+    from pipeline.advance import TRACKED, run_steps
     from pipeline.candidate import done_steps
     from pipeline.tracking import MLflowTracker
 
-    done, functions, step = done_steps(generation_id), step_functions(), _step_task()
-    tracker = MLflowTracker.from_settings() if TRACKED & (set(steps) - set(done)) else None
-    outcome: dict = {}
-    for name in steps:
-        if name in done:
-            outcome = done[name]
-            continue
-        kwargs = {"generation_id": generation_id, "config": config, "progress": None}
-        if name in TRACKED:
-            kwargs["tracker"] = tracker
-        slot = gpu_limit if name in GPU_STEPS else None
-        outcome = step.with_options(name=name)(functions[name], kwargs, slot)
-    return outcome
+    step = _step_task()
+    todo = set(steps) - set(done_steps(generation_id))
+    tracker = MLflowTracker.from_settings() if TRACKED & todo else None
+
+    def as_task(name, fn, **kwargs):
+        return step.with_options(name=name)(fn, kwargs, gpu_limit if name in GPU_STEPS else None)
+
+    return run_steps(steps, generation_id=generation_id, config=config, tracker=tracker, run_step=as_task)
 
 
 @flow(name="train_candidate")

@@ -33,6 +33,7 @@ __all__ = [
     "begin_candidate",
     "owner_id",
     "release_candidate",
+    "run_steps",
     "step_functions",
 ]
 
@@ -149,6 +150,40 @@ def step_functions() -> dict[str, Callable[..., dict[str, Any]]]:
 TRACKED = {"train", "decide"}
 
 
+def run_steps(
+    steps: tuple[str, ...] | list[str],
+    *,
+    generation_id: int,
+    config: AdvanceConfig,
+    tracker: Tracker | None = None,
+    progress: Progress | None = None,
+    run_step: Callable[..., Any] | None = None,
+    freeze: bool = False,
+) -> dict[str, Any]:
+    """Run those of ``steps`` the candidate has not done yet, in order; the last step's outcome (a step done
+    before reports the outcome it recorded). ``run_step(name, fn, **kwargs)`` runs a step another way (a
+    Prefect task); ``freeze``: ``gc.freeze()`` before each step (the caller unfreezes)."""
+    done = done_steps(generation_id)
+    outcome: dict[str, Any] = {}
+    for step in steps:
+        if step in done:
+            outcome = done[step]
+            continue
+        kwargs: dict[str, Any] = {"generation_id": generation_id, "config": config, "progress": progress}
+        if step in TRACKED:
+            kwargs["tracker"] = tracker
+        fn = step_functions()[step]
+        # What is alive between steps (imported libraries, loaded models: about a million objects) is
+        # long-lived; frozen, the cyclic GC stops re-scanning it in every full collection, which cost
+        # ~0.3 s each and ~4 s per demo generation. Reference counting still frees garbage at once;
+        # only garbage in reference cycles waits for the unfreeze (measured: a training job leaves
+        # none that holds tensors). Collecting before each freeze cost ~0.8 s per generation.
+        if freeze:
+            gc.freeze()
+        outcome = run_step(step, fn, **kwargs) if run_step else fn(**kwargs)
+    return outcome
+
+
 def advance_once(
     *,
     config: AdvanceConfig,
@@ -174,24 +209,15 @@ def advance_once(
                 if exc.__cause__ is not None:  # MLflow unreachable: training could not be tracked either
                     raise exc.__cause__ from None
                 log.warning("%s", exc)
-        done = done_steps(generation_id)
-        outcome: dict[str, Any] = {}
-        for step in STEPS:
-            if step in done:
-                continue
-            kwargs: dict[str, Any] = {"generation_id": generation_id, "config": config, "progress": progress}
-            if step in TRACKED:
-                kwargs["tracker"] = tracker
-            fn = step_functions()[step]
-            # What is alive between steps (imported libraries, loaded models: about a million objects) is
-            # long-lived; frozen, the cyclic GC stops re-scanning it in every full collection, which cost
-            # ~0.3 s each and ~4 s per demo generation. Reference counting still frees garbage at once;
-            # only garbage in reference cycles waits for the unfreeze (measured: a training job leaves
-            # none that holds tensors). Collecting before each freeze cost ~0.8 s per generation.
-            if manage_gc:
-                gc.freeze()
-            outcome = run_step(step, fn, **kwargs) if run_step else fn(**kwargs)
-        return outcome
+        return run_steps(
+            STEPS,
+            generation_id=generation_id,
+            config=config,
+            tracker=tracker,
+            progress=progress,
+            run_step=run_step,
+            freeze=manage_gc,
+        )
     finally:
         lease.stop()
         if manage_gc:  # back to normal collection once the generation is over
