@@ -158,7 +158,7 @@ def _state(url: str) -> tuple[dict, int]:
             if gen is None:
                 return {}, 0
             adapters = s.scalar(select(func.count()).select_from(Adapter))
-            return dict((gen.state or {}).get("steps", {})), adapters
+            return {**(gen.state or {}).get("steps", {}), "_status": gen.status}, adapters
     finally:
         engine.dispose()
 
@@ -170,7 +170,7 @@ def _during_training(url: str) -> bool:
 
 def _during_evaluation(url: str) -> bool:
     steps, _ = _state(url)
-    return "codesign" in steps and "evaluate" not in steps
+    return steps.get("_status") == "evaluating" and "evaluate" not in steps  # the step has begun
 
 
 @pytest.mark.parametrize("moment", ["training", "evaluation"])
@@ -188,8 +188,6 @@ def test_kill_9_then_rerun_matches_a_clean_run(world, moment, tmp_path):
     _until(
         lambda: (_during_training if moment == "training" else _during_evaluation)(crash.url), proc, moment
     )
-    if moment == "evaluation":
-        time.sleep(1.0)  # inside the step, past loading the models
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
