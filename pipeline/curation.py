@@ -167,6 +167,8 @@ def select_examples(
 
     Only the final assistant turn of each selected conversation is a training target (``packing``);
     the turns before it are context."""
+    from pipeline.serving.turns import STOPPED
+
     rules = contract.selection
     wanted = set(specialists) if specialists is not None else set(contract.specialists)
     sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
@@ -190,6 +192,9 @@ def select_examples(
                 drop(cand.specialist, "correction failed the contract" if failed else why)
                 continue
             messages = cand.messages
+            if cand.metadata.get("finish_reason") in STOPPED:  # cut off (timeout, disconnect): never whole
+                drop(cand.specialist, "reply stopped before its end")
+                continue
         if excluded(cand, heldout):
             drop(cand.specialist, "held-out")
             continue

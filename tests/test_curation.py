@@ -194,3 +194,18 @@ def test_validation_slice_of_a_specialist_without_tasks_is_never_learned_from():
     assert all(m["role"] != "assistant" for it in items for m in it["messages"])
     # with a task source the specialist has its own validation split: all its experience may be learned
     assert len(_ids(select_examples(cands, contract=CONTRACT, heldout=HELDOUT, specialists=["chat"]))) == 200
+
+
+def test_a_reply_the_server_cut_off_is_never_learned_from_however_it_scores():
+    """A turn stopped at the timeout or by a disconnect records a partial reply; even verified with a top
+    score, it is not a whole answer to learn from (an accepted correction of it still is)."""
+    cut = [
+        _cand(i, f"question {i} about sorting", "def f(", 1.0, metadata={"finish_reason": reason})
+        for i, reason in enumerate(["timeout", "disconnected"])
+    ]
+    whole = _cand(
+        9, "question 9 about sorting", "def f(xs): return sorted(xs)", 1.0, metadata={"finish_reason": "stop"}
+    )
+    result = select_examples([*cut, whole], contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(result) == [9]
+    assert result.dropped.counts["chat"] == {"reply stopped before its end": 2}
