@@ -32,9 +32,19 @@ from pipeline.registry import (
 )
 
 ADVANCE = """
+import os, time
+import pipeline.evaluation as evaluation
 from pipeline.advance import advance_once
 from pipeline.candidate import AdvanceConfig
 from pipeline.cli.advance import make_tracker
+if os.environ.get("HOLD_EVALUATION"):  # evaluation on the tiny model can end between two polls: hold it open
+    answer = evaluation.answer_and_score
+    def held(*args, **kwargs):
+        result = answer(*args, **kwargs)  # the champion's answers are in: the step is half done
+        open(os.environ["HOLD_EVALUATION"], "w").close()
+        time.sleep(600)
+        return result
+    evaluation.answer_and_score = held
 print(advance_once(config=AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2,
                                         validation_items=6, seed=1), tracker=make_tracker())["status"])
 """
@@ -98,10 +108,10 @@ class World:
             self.copies.append(name)
         return World(home, url, self.backend, self.copies)
 
-    def advance(self) -> subprocess.Popen:
+    def advance(self, **env: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-c", ADVANCE],
-            env=self.env,
+            env={**self.env, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -168,9 +178,9 @@ def _during_training(url: str) -> bool:
     return "curate" in steps and "train" not in steps and adapters >= 1  # one specialist saved, others to go
 
 
-def _during_evaluation(url: str) -> bool:
+def _during_evaluation(url: str, held: Path) -> bool:
     steps, _ = _state(url)
-    return steps.get("_status") == "evaluating" and "evaluate" not in steps  # the step has begun
+    return held.exists() and steps.get("_status") == "evaluating" and "evaluate" not in steps
 
 
 @pytest.mark.parametrize("moment", ["training", "evaluation"])
@@ -184,9 +194,12 @@ def test_kill_9_then_rerun_matches_a_clean_run(world, moment, tmp_path):
         _clean[world.backend] = _counts(clean.url)
     expected = _clean[world.backend]
 
-    proc = crash.advance()
+    held = tmp_path / "evaluation-held"
+    proc = crash.advance(**({"HOLD_EVALUATION": str(held)} if moment == "evaluation" else {}))
     _until(
-        lambda: (_during_training if moment == "training" else _during_evaluation)(crash.url), proc, moment
+        lambda: _during_training(crash.url) if moment == "training" else _during_evaluation(crash.url, held),
+        proc,
+        moment,
     )
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
