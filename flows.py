@@ -184,6 +184,22 @@ def _step_task():
     return advance_step
 
 
+def _job_runner():
+    """``run_job(name, fn, **kwargs)``: each training job as its own task, named by method and specialist
+    (``train-dpo-chat``), nested in the train step's task (whose retries resume the step, and with it an
+    interrupted job from its checkpoint)."""
+    from prefect.cache_policies import NO_CACHE
+
+    @task(cache_policy=NO_CACHE)
+    def train_job(fn, kwargs):
+        return fn(**kwargs)
+
+    def run_job(name, fn, **kwargs):
+        return train_job.with_options(name=name)(fn, kwargs)
+
+    return run_job
+
+
 @flow(name="advance_generation")
 def advance_generation(generations: int = 1, config=None, tracker=None, progress=None) -> list[dict]:
     """Advance the lineage by ``generations`` cycles: collect, score, curate, train, co-design, evaluate, decide.
@@ -201,7 +217,11 @@ def advance_generation(generations: int = 1, config=None, tracker=None, progress
 
     outcomes = []
     for _ in range(generations):
-        outcomes.append(advance_once(config=config, tracker=tracker, progress=progress, run_step=run_step))
+        outcomes.append(
+            advance_once(
+                config=config, tracker=tracker, progress=progress, run_step=run_step, run_job=_job_runner()
+            )
+        )
         publish_decision(config.lineage, outcomes[-1]["generation"])
     return outcomes
 
@@ -246,7 +266,14 @@ def _run_steps(steps, *, generation_id: int, config: AdvanceConfig, gpu_limit: s
     def as_task(name, fn, **kwargs):
         return step.with_options(name=name)(fn, kwargs, gpu_limit if name in GPU_STEPS else None)
 
-    return run_steps(steps, generation_id=generation_id, config=config, tracker=tracker, run_step=as_task)
+    return run_steps(
+        steps,
+        generation_id=generation_id,
+        config=config,
+        tracker=tracker,
+        run_step=as_task,
+        run_job=_job_runner(),
+    )
 
 
 @flow(name="train_candidate")

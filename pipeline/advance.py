@@ -1,7 +1,8 @@
-"""Advancing a lineage by one generation: collect, score, curate, train, co-design, evaluate, decide.
+"""Advancing a lineage by one generation: discover, collect, score, curate, train, co-design, evaluate, decide.
 
 This module only orchestrates. Each step is a plain function in the module named by its noun
-(``collection``, ``scoring``, ``curation``, ``training``, ``codesign``, ``evaluation``, ``promotion``)
+(``discovery``, ``collection``, ``scoring``, ``curation``, ``training``, ``codesign``, ``evaluation``,
+``promotion``)
 that records what it did in the candidate's ``state`` (``pipeline.candidate``), so that ``advance`` run
 again after a crash continues the same candidate from the first step not yet done. A lease on the
 candidate (``pipeline.lease``: renewed while a step runs, proven on every write) keeps a second ``advance``
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from pipeline.candidate import STEPS, AdvanceConfig, Progress, done_steps
+from pipeline.candidate import STEPS, AdvanceConfig, Progress, done_steps, record_seconds
 from pipeline.errors import ConflictError, RatchetError
 from pipeline.lease import Lease, owner_gone, owner_id
 
@@ -131,12 +133,14 @@ def step_functions() -> dict[str, Callable[..., dict[str, Any]]]:
     from pipeline.codesign import codesign_step
     from pipeline.collection import collect_step
     from pipeline.curation import curate_step
+    from pipeline.discovery import discover_step
     from pipeline.evaluation import evaluate_step
     from pipeline.promotion import decide_step
     from pipeline.scoring import score_step
     from pipeline.training import train_step
 
     return {
+        "discover": discover_step,
         "collect": collect_step,
         "score": score_step,
         "curate": curate_step,
@@ -158,11 +162,13 @@ def run_steps(
     tracker: Tracker | None = None,
     progress: Progress | None = None,
     run_step: Callable[..., Any] | None = None,
+    run_job: Callable[..., Any] | None = None,
     freeze: bool = False,
 ) -> dict[str, Any]:
     """Run those of ``steps`` the candidate has not done yet, in order; the last step's outcome (a step done
     before reports the outcome it recorded). ``run_step(name, fn, **kwargs)`` runs a step another way (a
-    Prefect task); ``freeze``: ``gc.freeze()`` before each step (the caller unfreezes)."""
+    Prefect task), ``run_job(name, fn, **kwargs)`` each training job (a Prefect task per method);
+    ``freeze``: ``gc.freeze()`` before each step (the caller unfreezes)."""
     done = done_steps(generation_id)
     outcome: dict[str, Any] = {}
     for step in steps:
@@ -172,6 +178,8 @@ def run_steps(
         kwargs: dict[str, Any] = {"generation_id": generation_id, "config": config, "progress": progress}
         if step in TRACKED:
             kwargs["tracker"] = tracker
+        if step == "train" and run_job is not None:
+            kwargs["run_job"] = run_job
         fn = step_functions()[step]
         # What is alive between steps (imported libraries, loaded models: about a million objects) is
         # long-lived; frozen, the cyclic GC stops re-scanning it in every full collection, which cost
@@ -180,7 +188,9 @@ def run_steps(
         # none that holds tensors). Collecting before each freeze cost ~0.8 s per generation.
         if freeze:
             gc.freeze()
+        started = time.perf_counter()
         outcome = run_step(step, fn, **kwargs) if run_step else fn(**kwargs)
+        record_seconds(generation_id, step, time.perf_counter() - started)
     return outcome
 
 
@@ -190,9 +200,10 @@ def advance_once(
     tracker: Tracker | None = None,
     progress: Progress | None = None,
     run_step: Callable[..., Any] | None = None,
+    run_job: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Build (or resume) one candidate and decide on it. ``run_step(name, fn, **kwargs)`` lets the Prefect
-    flow run each step as a task; by default steps are called directly."""
+    flow run each step as a task (and ``run_job`` each training job); by default they are called directly."""
     from pipeline.registry import get_engine
 
     owner = owner_id()
@@ -216,6 +227,7 @@ def advance_once(
             tracker=tracker,
             progress=progress,
             run_step=run_step,
+            run_job=run_job,
             freeze=manage_gc,
         )
     finally:

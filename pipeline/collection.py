@@ -2,7 +2,8 @@
 
 ``collect_step`` draws ``prompts_per_specialist`` training items per specialist from the task source its
 contract entry names (``pipeline.tasksource``; a specialist without one is skipped: it learns from
-deployment and ingested experience only), leaves out any item the held-out predicate matches, answers each
+deployment and ingested experience only) -- with the variants discovery found (``pipeline.discovery``) in
+place of as many drawn items -- leaves out any item the held-out predicate matches, answers each
 ``samples_per_prompt`` times with the parent pair (the champion) at the collection temperature, and
 stores every attempt as experience (source ``simulation``), right or wrong: scoring decides later what
 the contract verified, and curation what may be learned from. With ``AdvanceConfig.collect`` off
@@ -23,6 +24,7 @@ def collect_step(
     """Run the champion (the parent pair) in the task environment; record every attempt as experience."""
     from pipeline.candidate import contract_of
     from pipeline.contract import file_reader
+    from pipeline.discovery import discovered_items
     from pipeline.experience import trace_row, validate_trace
     from pipeline.heldout import heldout_index
     from pipeline.pair import answer_items, pair_for_generation
@@ -44,17 +46,20 @@ def collect_step(
         gen = load_generation(session, generation_id)
         parent = load_generation(session, gen.parent_id)
         pair = pair_for_generation(parent)
-        number, parent_id, harness_id = gen.number, parent.id, parent.harness_version_id
+        number, parent_id, harness_id, state = gen.number, parent.id, parent.harness_version_id, gen.state
         contract = contract_of(gen)
     sources = task_sources(contract, read=file_reader(contract))
     index = heldout_index(contract)
-    items, left_out = {}, {}
+    items, left_out, discovered = {}, {}, {}
     for s in sorted(pair.adapters):
         if s in sources:
             seed = step_seed(config, number, f"collect:{s}")
-            items[s], left_out[s] = draw(
-                sources[s], "train", config.prompts_per_specialist, seed, heldout=index
+            variants = discovered_items(state, s)[: config.prompts_per_specialist]
+            regular, left_out[s] = draw(
+                sources[s], "train", config.prompts_per_specialist - len(variants), seed, heldout=index
             )
+            # variants last: the newest experience is what curation keeps first when the cap is reached
+            items[s], discovered[s] = [*regular, *variants], len(variants)
     answered = answer_items(
         pair,
         items,
@@ -88,6 +93,7 @@ def collect_step(
             "specialists": sorted(items),
             "without_tasks": sorted(set(pair.adapters) - set(items)),
             "held_out_left_out": left_out,
+            "discovered_variants": discovered,
         }
         mark_step(session, load_generation(session, generation_id), "collect", outcome)
     return outcome

@@ -177,7 +177,9 @@ class SelectionRules(StrictModel):
         description="`prompt`: keep the best trace per prompt; `content`: drop exact duplicates only.",
     )
     max_examples_per_specialist: int | None = Field(
-        default=None, ge=1, description="Cap per specialist (highest scores kept); null: no cap."
+        default=None,
+        ge=1,
+        description="Cap per specialist (highest scores kept, the newest among equal scores); null: no cap.",
     )
     max_examples: dict[str, int] = Field(
         default_factory=dict, description="Per-specialist caps overriding the above."
@@ -192,6 +194,14 @@ class SelectionRules(StrictModel):
         description="For a specialist without `tasks`: the share of its verified experience (chosen by a "
         "hash of each prompt, the same slice every generation) that co-design validates harness variants "
         "on and that is never trained on.",
+    )
+    min_preference_margin: float = Field(
+        default=0.3,
+        gt=0.0,
+        le=1.0,
+        description="For `method: dpo`: a preference pair needs its preferred reply to score at least this much "
+        "above the other (both verified, same prompt); an accepted user correction always beats the reply "
+        "it corrects.",
     )
     sources: list[Literal["deployment", "simulation", "import"]] | None = Field(
         default=None,

@@ -4,8 +4,10 @@ Both pairs answer the same items greedily and are scored under the contract, so 
 per specialist the mean of the item-level differences and its standard error; overall the mean of the
 specialists' means (each specialist counts the same), whose variance is the sum of theirs over the number
 of specialists squared. Every item's score is stored with the candidate (``evaluation["items"]``), as is
-the router's accuracy on the contract's routing suite for both harnesses, and which attempt against this
-champion the candidate is; ``pipeline.promotion`` turns all of it into a verdict.
+the router's accuracy on the contract's routing suite for both harnesses, which attempt against this
+champion the candidate is, and how both pairs answer the variants discovery found this generation
+(``evaluation["discovery"]``: greedy contract totals; they were practised on, so this is a report, never a
+gate); ``pipeline.promotion`` turns the rest into a verdict.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from pipeline.contract import ContractSpec
-    from pipeline.curation import Candidate
+    from pipeline.eligibility import Candidate
     from pipeline.harness import HarnessSpec
     from pipeline.pair import PairSpec
     from pipeline.registry import Generation
@@ -150,6 +152,7 @@ def evaluate_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Score the champion and the candidate on the contract's held-out suites in the same run; compare."""
+    from pipeline.discovery import discovered_items
     from pipeline.heldout import resolve_suites
     from pipeline.pair import pair_for_generation
     from pipeline.registry import get_engine, session_scope, set_generation_status
@@ -162,11 +165,11 @@ def evaluate_step(
         contract = contract_of(gen)
         parent = load_generation(session, gen.parent_id)
         candidate, champion = pair_for_generation(gen), pair_for_generation(parent)
-        attempt = attempt_number(session, gen)
+        attempt, state = attempt_number(session, gen), gen.state
         parent_classifier = (parent.state or {}).get("router_classifier")
         candidates = None
         if candidate.harness.routing.mode != "signals":
-            from pipeline.curation import lineage_candidates
+            from pipeline.eligibility import lineage_candidates
 
             candidates, _ = lineage_candidates(session, gen, contract)
     # the generation's specialists only (a lineage may serve a subset of the contract's specialists)
@@ -176,6 +179,16 @@ def evaluate_step(
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)
     champ_answers = answer_and_score(champion, suites, contract, progress=report("champion"))
     cand_answers = answer_and_score(candidate, suites, contract, progress=report("candidate"))
+    variants = {s: items for s in sorted(candidate.adapters) if (items := discovered_items(state, s))}
+    discovery = {}
+    if variants:  # how both pairs answer what discovery found (trained on: a report, never a gate)
+        before = score_pair(champion, variants, contract, progress=report("champion on discovered"))
+        after = score_pair(candidate, variants, contract, progress=report("candidate on discovered"))
+        discovery = {
+            s: {"variants": len(variants[s]), "champion": round(fmean(before[s]), 4),
+                "candidate": round(fmean(after[s]), 4)}
+            for s in variants
+        }  # fmt: skip
     champ_scores = {s: [v for v, _ in r] for s, r in champ_answers.items()}
     cand_scores = {s: [v for v, _ in r] for s, r in cand_answers.items()}
     comparison = compare_scores(champ_scores, cand_scores)
@@ -194,6 +207,7 @@ def evaluate_step(
             }
             for s in sorted(suites)
         },
+        "discovery": discovery,
         "router": measure_routing(candidate.harness, contract, classifier),
         "parent_router": measure_routing(champion.harness, contract, _classifier(parent_classifier)),
     }
@@ -266,9 +280,9 @@ def router_training_traces(
     harness: HarnessSpec, contract: ContractSpec, candidates: list[Candidate]
 ) -> list[dict[str, Any]]:
     """What the learned router learns from: the lineage's verified, non-held-out experience that passed the
-    selection rules (``curation.eligible_examples`` over ``load_candidates``), labelled with the specialist
+    selection rules (``eligibility.eligible_examples`` over ``load_candidates``), labelled with the specialist
     that served it."""
-    from pipeline.curation import eligible_examples
+    from pipeline.eligibility import eligible_examples
 
     return [
         {"messages": messages, "metadata": {"specialist": cand.specialist}}

@@ -2,7 +2,7 @@
 
 ``resolve_suites(contract)`` gives the items of every held-out suite. ``heldout_index(contract)`` is the
 exclusion predicate every consumer of experience goes through (curation, co-design exemplars, router
-training data: ``pipeline.curation.load_candidates`` applies it before anything else sees a trace):
+training data: ``pipeline.eligibility.load_candidates`` applies it before anything else sees a trace):
 ``HeldoutIndex.exclusion(messages, metadata, source)`` says why a trace may not be learned from, or None.
 A trace is excluded when its metadata marks it held-out, when it came from an evaluation run, or when any
 of its messages contains a held-out prompt (every user turn of every suite item, and every prompt of the

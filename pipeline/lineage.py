@@ -132,6 +132,16 @@ def init_lineage(
                 f"{model_path}: specialists {missing} have no entry in the {what} ({what} declares "
                 f"{', '.join(sorted(names))})"
             )
+    untasked = [
+        s
+        for s in specialists
+        if model.specialists[s].method == "grpo" and contract.specialists[s].tasks is None
+    ]
+    if untasked:
+        raise RatchetError(
+            f"{model_path}: specialists {untasked} train with method grpo, but the contract names no task source "
+            "(`tasks`) for them: GRPO practises on a task source's training prompts"
+        )
     if model.base.path is not None:
         base_path = Path(model.base.path).expanduser()
         if not base_path.is_absolute():

@@ -115,11 +115,76 @@ class TrainDefaults(StrictModel):
     )
 
 
+class DpoSettings(StrictModel):
+    """Direct preference optimisation on pairs from experience (``pipeline.training.preference``)."""
+
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        description="Strength of the implicit KL to the reference (the parent pair): larger keeps the successor "
+        "closer to its parent.",
+    )
+    lr: float = Field(default=1e-4, gt=0, description="Learning rate (AdamW, 10 warm-up steps).")
+    epochs: float = Field(default=2.0, gt=0, description="Passes over the preference pairs.")
+    batch_size: int = Field(default=32, ge=1, description="Pairs per optimizer step.")
+    max_steps: int | None = Field(default=None, ge=1, description="Step cap (overrides epochs); null: none.")
+    max_pairs: int = Field(
+        default=4000, ge=1, description="Most pairs per generation (largest margins kept, newest first)."
+    )
+    sft_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of the preferred reply's mean negative log-likelihood beside the DPO loss (RPO; 0: "
+        "pure DPO). Pure DPO lowers the preferred reply's probability along with the other's: on the demo it "
+        "lost 0.09 held-out in one generation, where 1.0 gained 0.075 (bench/methods.py).",
+    )
+
+
+class GrpoSettings(StrictModel):
+    """Online RL on the task source's training prompts (``pipeline.training.reinforcement``)."""
+
+    group_size: int = Field(
+        default=8, ge=2, description="Samples per prompt (k); advantages are relative to the group's mean."
+    )
+    prompts_per_step: int = Field(default=32, ge=1, description="Prompts per optimizer step.")
+    steps: int = Field(
+        default=40,
+        ge=1,
+        description="Optimizer steps; each samples fresh rollouts from the policy (on-policy).",
+    )
+    lr: float = Field(
+        default=5e-5,
+        gt=0,
+        description="Learning rate (AdamW, 5 warm-up steps). RL's gradient is noisier than SFT's: too high a "
+        "rate drifts away from the parent while the reward stays flat (the tiny model: 2e-3 lost 0.10 "
+        "held-out, 3e-4 gained).",
+    )
+    kl_beta: float = Field(
+        default=0.04, ge=0, description="Weight of the per-token KL penalty toward the parent pair (0: none)."
+    )
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the rollouts.")
+    max_turns: int = Field(
+        default=3,
+        ge=1,
+        description="Most assistant turns per episode. Where the task source has an action substrate, a reply "
+        "that calls tools has the calls executed against it and gets their results back, until a reply calls "
+        "none or this many were written; 1: single replies.",
+    )
+
+
 class SpecialistModel(StrictModel):
     """A specialist's adapter settings."""
 
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA hyperparameters.")
-    training: TrainDefaults = Field(default_factory=TrainDefaults, description="Training defaults.")
+    method: Literal["sft", "dpo", "grpo"] = Field(
+        default="sft",
+        description="How the successor's adapter is trained: `sft` (verified experience, filtered), `dpo` "
+        "(preference pairs of replies to the same prompt, reference = the parent), `grpo` (online RL on "
+        "the task source's training prompts with the contract's scorers as reward; needs `tasks`).",
+    )
+    training: TrainDefaults = Field(default_factory=TrainDefaults, description="SFT training defaults.")
+    dpo: DpoSettings = Field(default_factory=DpoSettings, description="Settings of `method: dpo`.")
+    grpo: GrpoSettings = Field(default_factory=GrpoSettings, description="Settings of `method: grpo`.")
 
 
 class ModelSpec(StrictModel):

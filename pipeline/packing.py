@@ -146,11 +146,15 @@ def pack_examples(lengths: list[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pad_id: int) -> dict[str, Any]:
+def packed_tensors(
+    examples: list[tuple[list[int], list[int]]], row_len: int, pad_id: int, *, owners: bool = False
+) -> dict[str, Any]:
     """Pack examples into a ``[rows, L]`` batch (L = longest packed row) with per-example positions.
 
     Rows are at most as long as the batch's longest example (capped at ``row_len``): a packed row then
-    never costs more attention than a padded one, and the saving is exactly the padding.
+    never costs more attention than a padded one, and the saving is exactly the padding. ``owners``: also
+    ``example_index``, the index of the example each position belongs to (-1 on padding), for losses that
+    sum per example (preference and RL training).
     """
     import torch
 
@@ -160,6 +164,7 @@ def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pa
     input_ids: list[int] = []
     labels: list[int] = []
     positions: list[int] = []
+    owner: list[int] = []
     for row in rows:  # plain lists, one tensor per field: building tensors per example costs more
         used = 0
         for i in row:
@@ -168,14 +173,19 @@ def packed_tensors(examples: list[tuple[list[int], list[int]]], row_len: int, pa
             input_ids += ids[:n]
             labels += labs[:n]
             positions += range(n)
+            owner += [i] * n
             used += n
         # Trailing pad continues the positions of a last dummy segment starting at 0 (labels ignored).
         input_ids += [pad_id] * (width - used)
         labels += [IGNORE] * (width - used)
         positions += range(width - used)
+        owner += [-1] * (width - used)
     shape = (len(rows), width)
-    return {
+    out = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long).view(shape),
         "labels": torch.tensor(labels, dtype=torch.long).view(shape),
         "position_ids": torch.tensor(positions, dtype=torch.long).view(shape),
     }
+    if owners:
+        out["example_index"] = torch.tensor(owner, dtype=torch.long).view(shape)
+    return out

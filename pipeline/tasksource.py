@@ -12,7 +12,7 @@ A contract specialist may name ``tasks``:
   environment; ``options.family`` defaults to the specialist's name); third-party ones are found through the
   entry-point group ``ratchet.tasks``;
 - nothing: the specialist learns only from deployment and ingested experience, and co-design validates it on
-  a fixed slice of its verified experience that is kept out of training (``curation.validation_slice``).
+  a fixed slice of its verified experience that is kept out of training (``eligibility.in_validation_slice``).
 
 The protocol a generator implements (a factory registered under ``ratchet.tasks``)::
 
@@ -20,6 +20,12 @@ The protocol a generator implements (a factory registered under ``ratchet.tasks`
 
     class TaskSource(Protocol):
         def items(self, split: str, n: int, seed: int) -> list[dict]: ...
+        # optional: task variants with their verification metadata (discovery; without it, ``discovery``
+        # composes and perturbs the items itself)
+        def variants(self, items: list[dict], n: int, seed: int) -> list[dict]: ...
+        # optional: an action substrate for multi-turn tool episodes (``method: grpo``)
+        def reset(self, item: dict) -> Any: ...                    # the state an episode starts from
+        def act(self, state: Any, call: dict) -> tuple[Any, Any]: ...  # one call -> (new state, result)
 
 ``items`` returns ``n`` task items of ``split`` (``train``: with repeats when it has fewer; ``validation``
 and ``heldout``: distinct items, at most ``n``) as a pure function of ``seed``; a split it does not have
@@ -151,6 +157,26 @@ class DemoTasks:
         if split == "heldout":
             return heldout_suite(self.family, n, seed)
         return sample_prompts(self.family, n, seed, split=split)
+
+    def variants(self, items: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+        """Up to ``n`` perturbed training items (``pipeline.environment.perturbed_items``: nearby operands,
+        swapped order, another tool or widget; training-split problems only), each with its answer."""
+        from pipeline.environment import perturbed_items
+
+        return perturbed_items(self.family, items, n, seed)
+
+    def reset(self, item: dict[str, Any]) -> dict[str, Any]:
+        """The action substrate before an episode (the ``agent`` family's timer and cart)."""
+        from pipeline.environment import initial_state
+
+        return initial_state()
+
+    def act(self, state: dict[str, Any], call: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Execute one tool call against the substrate: ``(new state, result)``; the result is the new state,
+        or an error (unknown tool, invalid arguments) that leaves the state as it was."""
+        from pipeline.environment import execute_call
+
+        return execute_call(state, call)
 
 
 BUILT_IN: dict[str, Factory] = {"demo": DemoTasks}

@@ -138,13 +138,28 @@ def small_base(tmp_path_factory):
     return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
 
 
-def write_specs(tmp: Path, base: Path, *, heldout_size: int = 20) -> dict[str, Path]:
-    """A model spec on the small base and the demo contract with smaller held-out suites."""
+# One specialist per training method, each on a tiny configuration (tests of every method end to end).
+METHODS = {
+    "chat": {"method": "dpo", "dpo": {"batch_size": 8, "epochs": 1, "sft_weight": 1.0}},
+    "agent": {"method": "grpo", "grpo": {"steps": 3, "prompts_per_step": 4, "group_size": 4, "max_turns": 2}},
+    "genui": {"method": "grpo", "grpo": {"steps": 2, "prompts_per_step": 4, "group_size": 4}},
+}
+
+
+def write_specs(
+    tmp: Path, base: Path, *, heldout_size: int = 20, methods: dict[str, dict] | None = None
+) -> dict[str, Path]:
+    """A model spec on the small base (``methods``: per specialist, its method and settings; default sft)
+    and the demo contract with smaller held-out suites."""
     model = {
         "name": "test-tiny",
         "base": {"path": str(base)},
         "specialists": {
-            s: {"lora": {"rank": 4, "alpha": 8}, "training": {"epochs": 1, "batch_size": 16}}
+            s: {
+                "lora": {"rank": 4, "alpha": 8},
+                "training": {"epochs": 1, "batch_size": 16},
+                **(methods or {}).get(s, {}),
+            }
             for s in ("chat", "agent", "coding", "genui")
         },
     }
@@ -166,6 +181,16 @@ def specs(small_base, tmp_path):
 
 @pytest.fixture
 def lineage(specs, tmp_path):
+    return init_with_corrections(specs, tmp_path)
+
+
+@pytest.fixture
+def methods_lineage(small_base, tmp_path):
+    """The lineage with chat on dpo, agent and genui on grpo (agent multi-turn), coding on sft."""
+    return init_with_corrections(write_specs(tmp_path, small_base, methods=METHODS), tmp_path)
+
+
+def init_with_corrections(specs: dict[str, Path], tmp: Path) -> dict[str, Path]:
     from pipeline.lineage import init_lineage
 
     init_lineage(
@@ -173,7 +198,7 @@ def lineage(specs, tmp_path):
         harness_path=ROOT / "harnesses" / "demo.yaml",
         model_path=specs["model"],
     )
-    ingest_corrections(tmp_path / "feedback.jsonl")
+    ingest_corrections(tmp / "feedback.jsonl")
     return specs
 
 

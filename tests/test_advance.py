@@ -112,7 +112,7 @@ def test_crash_then_resume_continues_the_same_candidate(lineage, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated crash"):
         advance_once(config=FAST)
     first = done_steps(_generation_id(1))
-    assert set(first) == {"collect", "score", "curate", "train"}
+    assert set(first) == {"discover", "collect", "score", "curate", "train"}
     experience_before = _count(Experience)
     monkeypatch.setattr(successor, "codesign_step", real)
     outcome = advance_once(config=FAST)
@@ -286,3 +286,44 @@ def test_a_file_suite_is_stored_at_registration_and_needs_no_file_afterwards(spe
     rows = [r for path in dataset_paths for r in load_from_disk(path).to_list()]
     assert not [m for r in rows for m in r["messages"] if m["content"] in prompts]
     assert done_steps(_generation_id(1))["curate"]["dropped"]["chat"].get("held-out", 0) >= 15
+
+
+def test_each_method_trains_evaluates_and_is_gated_end_to_end(methods_lineage):
+    """chat on dpo (pairs from corrections and ranked attempts), agent on multi-turn grpo, genui on grpo,
+    coding on sft: one generation builds all four adapters, each says how it was built, and the candidate goes
+    through the same evaluation and gates."""
+    from pipeline.cli.advance import lineage_rows, make_tracker
+
+    tracker = make_tracker()
+    outcome = advance_once(config=FAST, tracker=tracker)
+    assert outcome["decision"].startswith(("promote:", "reject:"))
+    steps = done_steps(_generation_id(1))
+    curated = steps["curate"]["datasets"]
+    assert curated["chat"]["method"] == "dpo" and curated["chat"]["rows"] >= 12  # the 12 corrections at least
+    assert curated["agent"] == {"method": "grpo", "rows": 0, "skipped": "practises online (grpo)"}
+    with session_scope(get_engine()) as s:
+        adapters = {a.specialist: a for a in s.scalars(select(Adapter))}
+        ds = s.scalar(select(TrainingDataset).where(TrainingDataset.specialist == "chat"))
+        pairs = datasets_rows(ds.path)
+    assert {s: a.method for s, a in adapters.items()} == {
+        "chat": "dpo", "agent": "grpo", "genui": "grpo", "coding": "sft"
+    }  # fmt: skip
+    assert all(len(r["rejected"]) == len(r["messages"]) for r in pairs)  # same context, two replies
+    metrics = {"dpo": "reward_margin", "grpo": "reward", "sft": "train_loss"}
+    for specialist, adapter in adapters.items():
+        record = json.loads((Path(adapter.artifact_uri) / "lineage.json").read_text())
+        assert record["method"] == adapter.method and record["specialist"] == specialist
+        run = tracker.client.get_run(adapter.mlflow_run_id)
+        assert tracker.client.get_metric_history(run.info.run_id, metrics[adapter.method]), specialist
+    grpo = tracker.client.get_metric_history(adapters["agent"].mlflow_run_id, "assistant_turns")
+    assert len(grpo) == 3 and all(1 <= p.value <= 2 for p in grpo)  # multi-turn: at most max_turns replies
+    row = lineage_rows("main")[1]
+    assert row["methods"] == {"chat": "dpo", "agent": "grpo", "genui": "grpo", "coding": "sft"}
+    ev = row["scores"]
+    assert set(ev) == {"chat", "agent", "coding", "genui"} and row["status"] == outcome["status"]
+
+
+def datasets_rows(path):
+    from datasets import load_from_disk
+
+    return load_from_disk(path).to_list()

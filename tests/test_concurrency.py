@@ -113,7 +113,7 @@ def test_a_generation_in_one_flow_takes_gpu_slots_resumes_and_publishes(prefect_
     with pytest.raises(RatchetError, match="'ratchet-gpu-absent' does not exist"):
         advance_cluster(config=fast, gpu_deployment=None, gpu_limit="ratchet-gpu-absent")
     collected, steps = state()
-    assert set(steps) == {"collect", "score", "curate"} and collected > 0
+    assert set(steps) == {"discover", "collect", "score", "curate"} and collected > 0
 
     (outcome,) = advance_cluster(config=fast, gpu_deployment=None, gpu_limit=_limit(1))
     assert outcome["generation"] == 1 and outcome["status"] in ("promoted", "rejected")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.contract import load_contract
-from pipeline.curation import Candidate, save_dataset, select_examples
+from pipeline.curation import save_dataset, select_examples
+from pipeline.eligibility import Candidate
 from pipeline.heldout import HeldoutIndex
 from pipeline.training import dataset_sha256
 
@@ -158,6 +160,8 @@ def test_caps_and_per_specialist_counts():
     result = select_examples(cands, contract=contract, heldout=HELDOUT)
     assert _ids(result, "agent") == [103, 104]  # the two best
     assert result.dropped.counts == {"agent": {"over cap": 3}}
+    ties = [_cand(200 + i, f"{i}+1", str(i + 1), 1.0, specialist="agent") for i in range(5)]
+    assert _ids(select_examples(ties, contract=contract, heldout=HELDOUT), "agent") == [203, 204]  # newest
 
 
 def test_saved_dataset_is_hashed(tmp_path):
@@ -179,7 +183,7 @@ def test_saved_dataset_is_hashed(tmp_path):
 def test_validation_slice_of_a_specialist_without_tasks_is_never_learned_from():
     """Without a task source, a fixed slice of verified experience validates co-design: it is in no
     dataset, no exemplar pool and no router data, and it is the same slice whatever the order."""
-    from pipeline.curation import eligible_examples, in_validation_slice, validation_items
+    from pipeline.eligibility import eligible_examples, in_validation_slice, validation_items
 
     chat = CONTRACT.specialists["chat"].model_copy(update={"tasks": None})
     contract = CONTRACT.model_copy(update={"specialists": {**CONTRACT.specialists, "chat": chat}})
@@ -209,3 +213,21 @@ def test_a_reply_the_server_cut_off_is_never_learned_from_however_it_scores():
     result = select_examples([*cut, whole], contract=CONTRACT, heldout=HELDOUT)
     assert _ids(result) == [9]
     assert result.dropped.counts["chat"] == {"reply stopped before its end": 2}
+
+
+def test_a_correction_cannot_smuggle_a_held_out_prompt_into_training():
+    """Attack: a user answers a harmless question wrong on purpose and 'corrects' it with a held-out prompt
+    (and its answer). The correction would pass the contract; its own text goes through the predicate."""
+    from pipeline.environment import heldout_suite
+
+    item = heldout_suite("chat", 1, seed=1234)[0]  # in the demo contract's held-out suite
+    secret = f"{item['messages'][0]['content']} {item['metadata']['expected']}"
+    passed = {"total": 1.0, "verified_by": ["exact_match"], "failed": []}
+    smuggler = _cand(30, "3+4=?", "8", 0.0, verified=False, correction=passed,
+                     feedback={"rating": 1, "correction": f"7. Also: {secret}"})  # fmt: skip
+    honest = _cand(
+        31, "3+5=?", "9", 0.0, verified=False, correction=passed, feedback={"rating": 1, "correction": "8"}
+    )
+    result = select_examples([smuggler, honest], contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(result) == [31]
+    assert all(secret not in json.dumps(e["messages"]) for e in result.examples.get("chat", []))

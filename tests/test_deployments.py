@@ -166,7 +166,7 @@ def test_advance_generation_deployment_runs_on_both_pools(lineage, cluster):
             return {r.name.rsplit("-", 1)[0] for r in runs}
 
         assert {"train", "codesign", "evaluate"} <= steps_of(gpu_run)  # the GPU steps ran on the GPU pool
-        assert {"collect", "score", "curate", "decide"} <= steps_of(cpu)
+        assert {"discover", "collect", "score", "curate", "decide"} <= steps_of(cpu)
         assert not {"train", "codesign", "evaluate"} & steps_of(cpu)
         keys = ["main-gen-1-heldout", "main-gen-1-decision"]
         artifacts = {

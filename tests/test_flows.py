@@ -55,8 +55,9 @@ def test_ingest_and_score_flows(prefect_server, tmp_path):
     assert score_experience().scored == 0  # nothing left unscored
 
 
-def test_advance_generation_flow(prefect_server, lineage):
-    """`ratchet advance`'s flow on a real temporary Prefect server: each step a task, a decision at the end."""
+def test_advance_generation_flow(prefect_server, methods_lineage):
+    """`ratchet advance`'s flow on a real temporary Prefect server: each step a task, each training job a task
+    named by its method, a decision at the end."""
     from prefect.client.orchestration import get_client
 
     from flows import advance_generation
@@ -71,6 +72,7 @@ def test_advance_generation_flow(prefect_server, lineage):
     with session_scope(get_engine()) as s:
         gens = list_generations(session=s)
         assert [g.number for g in gens] == [0, 1] and set(gens[1].state["steps"]) == set(STEPS)
+        jobs = gens[1].state["steps"]["train"]["adapters"]
 
     import asyncio
 
@@ -81,3 +83,5 @@ def test_advance_generation_flow(prefect_server, lineage):
 
     names = asyncio.run(task_names())
     assert set(STEPS) <= names, names  # every step ran as a Prefect task
+    trained = {f"train-{a['method']}-{s}" for s, a in jobs.items()}
+    assert {"train-dpo-chat", "train-grpo-agent", "train-grpo-genui"} <= trained <= names, (trained, names)

@@ -134,7 +134,8 @@ def _run_steps(generation_id: int, monkeypatch) -> dict[str, list[str]]:
     import pipeline.codesign.operators as operators
     from pipeline.candidate import AdvanceConfig, contract_of, load_generation
     from pipeline.codesign import codesign_step
-    from pipeline.curation import curate_step, lineage_candidates
+    from pipeline.curation import curate_step
+    from pipeline.eligibility import lineage_candidates
     from pipeline.evaluation import router_training_traces
     from pipeline.harness import HarnessSpec
     from pipeline.registry import TrainingDataset, get_engine, session_scope
@@ -205,11 +206,11 @@ def test_planted_heldout_items_reach_no_dataset_exemplar_or_router_row(planted, 
 
 
 def test_control_without_the_predicate_the_same_check_finds_the_leak(planted, monkeypatch):
-    import pipeline.curation as curation
+    import pipeline.eligibility as eligibility
     from pipeline.heldout import HeldoutIndex
 
     monkeypatch.setattr(HeldoutIndex, "exclusion", lambda self, **kwargs: None)
-    monkeypatch.setattr(curation, "_EXCLUDED", {})
+    monkeypatch.setattr(eligibility, "_EXCLUDED", {})
     generation_id, prompts = planted
     produced = _run_steps(generation_id, monkeypatch)
     assert _leaks(produced["datasets"], prompts) and _leaks(produced["router"], prompts)

@@ -155,3 +155,34 @@ heldout:
         RatchetError, match=r"specialists.answer.tasks: train item \d+ contains held-out prompt"
     ):
         require_clean_tasks(load_contract(contract), contract_path=contract)
+
+
+def test_the_demo_substrate_executes_calls_and_answers_mistakes_as_tool_results():
+    from pipeline.tasksource import DemoTasks
+
+    source = DemoTasks(specialist="agent")
+    state = source.reset({})
+    state, result = source.act(state, {"name": "add_item", "arguments": {"name": "egg", "qty": 3}})
+    state, result = source.act(state, {"name": "add_item", "arguments": {"name": "egg", "qty": 2}})
+    assert result == state == {"timer_minutes": None, "cart": {"egg": 5}}  # stateful: the cart adds up
+    for bad in ({"name": "rm_rf", "arguments": {}}, {"name": "set_timer", "arguments": {"minutes": "x"}}):
+        after, answer = source.act(state, bad)
+        assert after == state and "error" in answer  # a mistake is an answer, the state unchanged
+
+
+def test_init_refuses_grpo_for_a_specialist_without_a_task_source(tmp_path):
+    """GRPO practises on a task source's prompts: a specialist with none is refused at registration."""
+    import yaml
+
+    from pipeline.lineage import init_lineage
+
+    contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
+    contract["version"] = "no-tasks"
+    del contract["specialists"]["agent"]["tasks"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(contract))
+    model = yaml.safe_load((ROOT / "models" / "tiny.yaml").read_text())
+    model["specialists"]["agent"]["method"] = "grpo"
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(model))
+    with pytest.raises(RatchetError, match=r"specialists \['agent'\] train with method grpo.*no task source"):
+        init_lineage(contract_path=tmp_path / "c.yaml", harness_path=ROOT / "harnesses" / "demo.yaml",
+                     model_path=tmp_path / "m.yaml")  # fmt: skip

@@ -20,6 +20,7 @@ SamplesOpt = Annotated[int, typer.Option(min=1, help="Sampled attempts per promp
 
 def lineage_rows(lineage: str) -> list[dict[str, Any]]:
     """The lineage as plain data (what `ratchet lineage --json` prints)."""
+    from pipeline.discovery import discovery_summary
     from pipeline.registry import get_engine, list_generations, session_scope
 
     rows = []
@@ -28,7 +29,8 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
         numbers = {g.id: g.number for g in gens}
         for g in gens:
             ev = g.evaluation or {}
-            curate = ((g.state or {}).get("steps") or {}).get("curate") or {}
+            steps = (g.state or {}).get("steps") or {}
+            curate = steps.get("curate") or {}
             rows.append(
                 {
                     "generation": g.number,
@@ -38,6 +40,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "adapters": {
                         a.specialist: (f"v{a.adapter.version}" if a.adapter else None) for a in g.adapters
                     },
+                    "methods": {a.specialist: (a.adapter.method if a.adapter else None) for a in g.adapters},
                     "scores": ev.get("scores", {}),
                     "overall": ev.get("overall"),
                     "router_accuracy": (ev.get("router") or {}).get("accuracy"),
@@ -46,12 +49,28 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                         "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
                         "dropped": curate.get("dropped") or {},
                     },
+                    "discovery": discovery_summary(steps.get("discover"), ev.get("discovery")),
                     "decision": g.decision,
                     "step": g.step,
+                    "seconds": (g.state or {}).get("seconds") or {},
                     "created_at": g.created_at.isoformat(),
                 }
             )
     return rows
+
+
+def describe_discovery(found: dict[str, dict[str, Any]]) -> str:
+    """One line: per specialist, the variants discovery found and how champion and candidate answer them."""
+    parts = []
+    for s, d in sorted(found.items()):
+        if d.get("found"):
+            scores = (
+                f" ({d['champion']:.2f} -> {d['candidate']:.2f})"
+                if d.get("champion") is not None and d.get("candidate") is not None
+                else ""
+            )
+            parts.append(f"{s} {d['found']}/{d['tried']}{scores}")
+    return "variants found (champion -> candidate, greedy): " + ", ".join(parts)
 
 
 def print_lineage(lineage: str) -> None:
@@ -72,6 +91,8 @@ def print_lineage(lineage: str) -> None:
         for s in specialists:
             score = r["scores"].get(s)
             adapter = r["adapters"].get(s) or "-"
+            if r["methods"].get(s) not in (None, "sft"):
+                adapter += f" {r['methods'][s]}"
             cells.append(f"{adapter} {score:.3f}" if score is not None else adapter)
         overall = f"{r['overall']:.3f}" if r["overall"] is not None else "-"
         router = f"{r['router_accuracy']:.2f}" if r["router_accuracy"] is not None else "-"
@@ -140,6 +161,16 @@ def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
                 bar.remove_task(task_id)
             tasks.clear()
             typer.echo(f"generation {outcome['generation']}: {outcome['status']} — {outcome['decision']}")
+            found = next(
+                (
+                    r["discovery"]
+                    for r in lineage_rows(config.lineage)
+                    if r["generation"] == outcome["generation"]
+                ),
+                {},
+            )
+            if any(d.get("found") for d in found.values()):
+                typer.echo("  discovery: " + describe_discovery(found))
             outcomes.append(outcome)
     return outcomes
 
@@ -266,7 +297,7 @@ def sync_aliases_cmd(lineage: LineageOpt = "main") -> None:
 
 @app.command("demo")
 def demo_cmd(
-    generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 3,
+    generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 5,
     prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
     samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
     seed: Annotated[int, typer.Option(help="Seed of the run.")] = AdvanceConfig.seed,

@@ -13,7 +13,7 @@ from pipeline.candidate import AdvanceConfig, Progress, contract_of, load_genera
 
 if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
-    from pipeline.curation import Candidate
+    from pipeline.eligibility import Candidate
 
 
 def validation_items(
@@ -26,9 +26,9 @@ def validation_items(
 ) -> dict[str, list[dict[str, Any]]]:
     """Items to choose among harness variants on (never the held-out suites): each specialist's task source's
     validation split, or for a specialist without one the validation slice of its verified experience
-    (``curation.validation_items``), which curation keeps out of training."""
+    (``eligibility.validation_items``), which curation keeps out of training."""
     from pipeline.contract import file_reader
-    from pipeline.curation import validation_items as experience_items
+    from pipeline.eligibility import validation_items as experience_items
     from pipeline.heldout import heldout_index
     from pipeline.tasksource import draw, task_sources
 
@@ -49,7 +49,7 @@ def codesign_step(
     """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
     from pipeline.codesign.operators import propose_variants
     from pipeline.compatibility import check_harness
-    from pipeline.curation import eligible_examples, lineage_candidates
+    from pipeline.eligibility import eligible_examples, lineage_candidates
     from pipeline.evaluation import score_pair
     from pipeline.heldout import heldout_index
     from pipeline.pair import pair_for_generation

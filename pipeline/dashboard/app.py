@@ -153,16 +153,30 @@ def create_app(
         }
 
     def generation_charts(data: dict[str, Any]) -> dict[str, Any]:
-        loss = [
-            charts.Series(
-                f"{a['specialist']} v{a['version']}", [charts.LinePoint(s, v) for s, v in a["loss_curve"]]
-            )
-            for a in data["adapters"]
-            if a["new"] and a["loss_curve"]
-        ]
+        def curves(rl: bool) -> list[charts.Series]:
+            return [
+                charts.Series(
+                    f"{a['specialist']} v{a['version']} ({a['method']})",
+                    [charts.LinePoint(s, v) for s, v in a["loss_curve"]],
+                )
+                for a in data["adapters"]
+                if a["new"] and a["loss_curve"] and (a["method"] == "grpo") == rl
+            ]
+
+        loss, reward = curves(False), curves(True)
         router = data.get("router") or {}
         return {
-            "loss_chart": charts.line_chart_svg(loss, title="training loss", x_label="step", y_label="loss"),
+            "loss_chart": charts.line_chart_svg(loss, title="training loss", x_label="step", y_label="loss")
+            if loss
+            else "",
+            "reward_chart": charts.line_chart_svg(
+                reward,
+                title="GRPO: mean contract reward of each step's rollouts",
+                x_label="step",
+                y_label="reward",
+            )
+            if reward
+            else "",
             "confusion": charts.confusion_svg(router.get("confusion") or {}),
         }
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
+from pipeline import discovery
 from pipeline.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -57,9 +58,7 @@ def _summarise(gen: Generation) -> dict[str, Any]:
         "router": (ev.get("router") or {}).get("accuracy"),
         "parent_router": (ev.get("parent_router") or {}).get("accuracy"),
         "trained": bool((steps.get("train") or {}).get("adapters")),
-        "methods": sorted(
-            {str((a.adapter.metrics or {}).get("method", "sft")) for a in gen.adapters if a.adapter}
-        ),
+        "methods": sorted({a.adapter.method for a in gen.adapters if a.adapter}),
     }
 
 
@@ -194,12 +193,13 @@ def generation_detail(
                 "new": slot.specialist in trained,
                 "rank": a.rank if a else None,
                 "sha256": a.sha256 if a else None,
-                "method": metrics.get("method", "sft") if a else None,
+                "method": a.method if a else None,
                 "mlflow_run_id": a.mlflow_run_id if a else None,
                 "mlflow_link": mlflow_run_link(
                     tracking_uri, metrics.get("mlflow_experiment_id"), a.mlflow_run_id if a else None
                 ),
                 "final_loss": metrics.get("final_loss"),
+                "final_reward": metrics.get("final_reward"),
                 "steps": metrics.get("steps"),
                 "loss_curve": metrics.get("loss_curve") or [],
                 "dataset": {"id": ds.id, "sha256": ds.sha256, "rows": ds.num_rows} if ds else None,
@@ -283,6 +283,7 @@ def generation_detail(
         "collection": {
             k: v for k, v in (steps.get("collect") or {}).items() if not isinstance(v, dict | list)
         },
+        "discovery": discovery.discovery_summary(steps.get("discover"), ev.get("discovery")),
     }
 
 

@@ -82,7 +82,7 @@ def adapter_detail(
         "alpha": a.alpha,
         "target_modules": a.target_modules,
         "sha256": a.sha256,
-        "method": metrics.get("method", "sft"),
+        "method": a.method,
         "metrics": {k: v for k, v in metrics.items() if k != "loss_curve"},
         "loss_curve": metrics.get("loss_curve") or [],
         "mlflow_run_id": a.mlflow_run_id,

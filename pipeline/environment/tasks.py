@@ -158,3 +158,34 @@ def training_corpus(n: int, seed: int, families: tuple[str, ...] = FAMILIES) -> 
         item = _draw(rng, pairs, families[i % len(families)])
         out.append(completion_trace(item, reference_answer(item)))
     return out
+
+
+def perturbed_items(family: str, items: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """Up to ``n`` distinct variants of ``family``'s training ``items`` (their ``task_id`` names the problem):
+    the operands moved by up to 9 each, swapped, or posed with another tool, item or widget. Only
+    training-split problems come out (a perturbation never lands on a held-out or validation pair), none
+    equal to an item given, each with its reference answer and checks (``make_item``)."""
+    rng = random.Random(f"variants:{family}:{seed}")
+    seen = {item["metadata"]["task_id"] for item in items if "task_id" in (item.get("metadata") or {})}
+    out: list[dict[str, Any]] = []
+    tries = 0
+    while items and len(out) < n and tries < 20 * n:
+        tries += 1
+        source = rng.choice(items)["metadata"].get("task_id", "")
+        try:
+            a, b = (int(x) for x in source.rsplit(":", 1)[1].split("+"))
+        except (ValueError, IndexError):
+            continue
+        move = rng.randrange(3)
+        if move == 0:
+            a, b = a + rng.randint(-9, 9), b + rng.randint(-9, 9)
+        elif move == 1:
+            a, b = b, a
+        if not (LOW <= a <= HIGH and LOW <= b <= HIGH) or split_of(a, b) != "train":
+            continue
+        variant = make_item(family, a, b, variant=rng.randrange(12))
+        if variant["metadata"]["task_id"] in seen:
+            continue
+        seen.add(variant["metadata"]["task_id"])
+        out.append(variant)
+    return out

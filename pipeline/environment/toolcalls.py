@@ -17,6 +17,7 @@ __all__ = [
     "TOOL_SCHEMAS",
     "apply_call",
     "compact_from_openai",
+    "execute_call",
     "format_compact_call",
     "initial_state",
     "openai_tool_call",
@@ -79,3 +80,20 @@ def apply_call(state: dict[str, Any], call: dict[str, Any]) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown tool {call['name']!r}")
     return new
+
+
+def execute_call(state: dict[str, Any], call: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One call of an episode against the substrate: ``(new state, result)``. The result is the new state;
+    an unknown tool or arguments its schema refuses give ``{"error": ...}`` and leave the state unchanged
+    (what a model's mistake looks like to it: a tool answer, never an exception)."""
+    import jsonschema
+
+    schema = TOOL_SCHEMAS.get(str(call.get("name")))
+    if schema is None:
+        return state, {"error": f"unknown tool {call.get('name')!r}"}
+    try:
+        jsonschema.validate(call.get("arguments"), schema)
+    except jsonschema.ValidationError as exc:
+        return state, {"error": f"{call['name']}: {exc.message}"}
+    new = apply_call(state, call)
+    return new, copy.deepcopy(new)

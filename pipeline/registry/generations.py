@@ -276,6 +276,7 @@ def create_adapter(
     mlflow_run_id: str | None = None,
     dataset_sha256: str | None = None,
     metrics: dict[str, Any] | None = None,
+    method: str = "sft",
     actor: str = "ratchet",
 ) -> Adapter:
     """Record a trained adapter (its files stay at ``artifact_uri``, checked by ``sha256`` when loaded).
@@ -295,6 +296,7 @@ def create_adapter(
         parent_adapter_id=parent_adapter_id,
         mlflow_run_id=mlflow_run_id,
         dataset_sha256=dataset_sha256,
+        method=method,
         metrics=metrics or {},
     )
     session.add(row)
@@ -305,7 +307,7 @@ def create_adapter(
         entity="adapters",
         entity_id=row.id,
         action="create",
-        details={"specialist": specialist, "version": row.version, "sha256": sha256},
+        details={"specialist": specialist, "version": row.version, "sha256": sha256, "method": method},
     )
     return row
 

@@ -183,6 +183,8 @@ class Adapter(Base):
     mlflow_model_version: Mapped[str | None] = mapped_column(String(32))
     dataset_sha256: Mapped[str | None] = mapped_column(String(64))
     parent_adapter_id: Mapped[int | None] = mapped_column(ForeignKey("adapters.id"))
+    # how it was trained: ``sft`` (filtered SFT), ``dpo`` (preference pairs), ``grpo`` (online RL)
+    method: Mapped[str] = mapped_column(String(16), default="sft", server_default="sft")
     metrics: Mapped[dict] = mapped_column(JSONText, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -162,6 +162,18 @@ def score_trace(
     return result
 
 
+def episode_reward(
+    contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec | None, specialist: str
+) -> float:
+    """What reinforcement learning maximises (``training.reinforcement``): the episode's total under the
+    contract when a verifying scorer checked at least one of its turns, else 0 -- an episode the contract
+    could not check teaches nothing, as in curation (form-only scores never pay)."""
+    result = score_trace(contract, trace, harness=harness, specialist=specialist)
+    if result.total is None or not any(t.verified_by for t in result.turns):
+        return 0.0
+    return float(result.total)
+
+
 def corrected_trace(trace: dict[str, Any]) -> dict[str, Any] | None:
     """The trace with its final assistant turn replaced by the user's ``feedback.correction`` (and nothing
     after it), without the feedback itself; None when there is no correction."""

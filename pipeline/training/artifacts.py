@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import RatchetError
 
@@ -76,3 +77,34 @@ def atomic_directory(final: Path, *, what: str) -> Iterator[Path]:
         raise ArtifactStoreError(
             f"{final}: cannot write the {what} ({reason}): the artifact store is full or not writable"
         ) from exc
+
+
+def save_adapter(
+    model: Any, output_dir: Path, *, record: dict[str, Any], tracker: Any = None
+) -> tuple[Path, str]:
+    """Save a job's peft ``model`` as ``output_dir/adapter`` (peft's config, ``adapter_model.safetensors`` and
+    ``lineage.json``: ``record`` plus the weights' sha256), atomically, and copy it into the tracker's run;
+    returns the directory and the sha256. A store that refuses the write is an ``ArtifactStoreError``."""
+    import json
+
+    from pipeline.spec import file_sha256
+
+    adapter_dir = Path(output_dir) / "adapter"
+    with atomic_directory(adapter_dir, what="adapter") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
+        record = {**record, "adapter_sha256": adapter_sha}
+        (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if tracker:
+        tracker.log_params({"adapter_sha256": adapter_sha})
+        try:
+            tracker.log_artifact(adapter_dir, artifact_path="adapter")
+        except Exception as exc:  # a local (file) MLflow artifact store that is full or read-only
+            reason = storage_failure(exc)
+            if reason is None:
+                raise
+            raise ArtifactStoreError(
+                f"{adapter_dir}: cannot copy the adapter into MLflow's artifact store ({reason}): "
+                "it is full or not writable"
+            ) from exc
+    return adapter_dir, adapter_sha

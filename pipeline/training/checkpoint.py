@@ -169,3 +169,14 @@ def load_checkpoint(root: Path, *, job_key: str, model: Any, optim: Any, sched: 
             torch.cuda.set_rng_state_all(state["cuda_rng"])
     random.setstate(state["python_rng"])
     return int(body["step"])
+
+
+def resume(root: Path, *, job_key: str, model: Any, optim: Any, sched: Any, total: int) -> int:
+    """``load_checkpoint`` for a peft job (its LoRA weights), saying where it resumes; the step (0: none)."""
+    from peft import set_peft_model_state_dict
+
+    start = load_checkpoint(root, job_key=job_key, model=model, optim=optim, sched=sched,
+                            set_state=set_peft_model_state_dict)  # fmt: skip
+    if start:
+        log.info("resuming %s from checkpoint step %d of %d", root.parent, start, total)
+    return start

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
-from pipeline.spec import content_hash, file_sha256, weights_sha256
+from pipeline.spec import content_hash, weights_sha256
 
 if TYPE_CHECKING:
     from pipeline.placement import Placement
@@ -176,21 +176,15 @@ def train_lora(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from datasets import load_from_disk
-    from peft import (
-        LoraConfig,
-        PeftModel,
-        get_peft_model,
-        get_peft_model_state_dict,
-        set_peft_model_state_dict,
-    )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import get_peft_model_state_dict
+    from transformers import AutoTokenizer
 
-    from pipeline.decoding import attn_implementation_for
     from pipeline.packing import encode_chat, packed_tensors
     from pipeline.placement import placement
-    from pipeline.training.artifacts import ArtifactStoreError, atomic_directory, storage_failure
-    from pipeline.training.checkpoint import load_checkpoint, save_checkpoint
+    from pipeline.training.artifacts import save_adapter
+    from pipeline.training.checkpoint import resume, save_checkpoint
     from pipeline.training.kernels import assistant_loss, merged_lora
+    from pipeline.training.likelihood import optimizer, policy_model
 
     # ---- setup -------------------------------------------------------------------------------------
     base_model_dir, dataset_dir, output_dir = Path(base_model_dir), Path(dataset_dir), Path(output_dir)
@@ -221,44 +215,25 @@ def train_lora(
     examples = [e for e in examples if any(label != -100 for label in e[1])]
     if not examples:
         raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
-    if (
-        parent_adapter_dir is not None
-        and not (Path(parent_adapter_dir) / "adapter_model.safetensors").is_file()
-    ):
-        raise RatchetError(  # peft would fall back to a pickled adapter_model.bin: never load one
-            f"{parent_adapter_dir}: parent adapter has no adapter_model.safetensors"
-        )
-    attn = attn_implementation_for(base_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(  # safetensors only: a pickled checkpoint is refused
-        base_model_dir, dtype=where.torch_dtype, use_safetensors=True,
-        **({"attn_implementation": attn} if attn else {}),
-    ).to(where.device)  # fmt: skip
-    if parent_adapter_dir is not None:
-        model = PeftModel.from_pretrained(base, parent_adapter_dir, is_trainable=True)
-    else:
-        lora = LoraConfig(
-            r=config.rank,
-            lora_alpha=config.alpha,
-            lora_dropout=config.dropout,
-            target_modules=list(config.target_modules),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(base, lora)
+    model = policy_model(  # the parent's adapter, continued, or a fresh LoRA; safetensors only
+        base_model_dir,
+        rank=config.rank,
+        alpha=config.alpha,
+        dropout=config.dropout,
+        target_modules=config.target_modules,
+        parent_adapter_dir=parent_adapter_dir,
+        where=where,
+    )
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
-    warmup = max(1, config.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
+    params, optim, sched = optimizer(
+        model, lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=config.weight_decay
+    )
     per_epoch = math.ceil(len(examples) / config.batch_size)
     total = config.max_steps or max(1, math.ceil(config.epochs * per_epoch))
     job_key = content_hash({"config": asdict(config), "data": data_hash, "parent": str(parent_adapter_dir)})
 
     ckpt_root = output_dir / "checkpoint"
-    start = load_checkpoint(
-        ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, set_state=set_peft_model_state_dict
-    )
-    if start:
-        log.info("resuming %s from checkpoint step %d of %d", output_dir, start, total)
+    start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
 
     # ---- train -------------------------------------------------------------------------------------
     with contextlib.ExitStack() as stack:
@@ -308,39 +283,28 @@ def train_lora(
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
-        adapter_dir = output_dir / "adapter"
-        with atomic_directory(adapter_dir, what="adapter") as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
-            record = {
+        adapter_dir, adapter_sha = save_adapter(
+            model,
+            output_dir,
+            record={
                 **(lineage or {}),
+                "method": "sft",
                 "dataset_sha256": data_hash,
                 "base_model_sha256": weights_sha256(base_model_dir),
                 "code_version": (lineage or {}).get("code_version") or git_describe(),
                 "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
-                "adapter_sha256": adapter_sha,
                 "train_config": asdict(config),
                 "steps": total,
                 "final_loss": loss_value,
                 "examples": len(examples),
-            }
-            (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+            },
+            tracker=tracker,
+        )
         if tracker:
             tracker.log_metric("tokens_per_second", tokens / max(seconds, 1e-9), step=total)
-            tracker.log_params({"adapter_sha256": adapter_sha})
-            try:
-                tracker.log_artifact(adapter_dir, artifact_path="adapter")
-            except Exception as exc:  # a local (file) MLflow artifact store that is full or read-only
-                reason = storage_failure(exc)
-                if reason is None:
-                    raise
-                raise ArtifactStoreError(
-                    f"{adapter_dir}: cannot copy the adapter into MLflow's artifact store ({reason}): "
-                    "it is full or not writable"
-                ) from exc
 
     # ---- clean up ----------------------------------------------------------------------------------
     shutil.rmtree(ckpt_root, ignore_errors=True)
-    del model, base, optim
+    del model, optim
     return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
                        len(examples), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip

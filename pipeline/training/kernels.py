@@ -2,7 +2,8 @@
 
 ``merged_lora(model)`` (a context manager) makes each plain LoRA linear compute peft's ``W x + scale * B (A x)``
 as one autograd function with the same gradients in fewer and larger matmuls; ``assistant_loss`` computes
-logits only at labelled positions. Both are exact where they apply (tests compare them with peft's forward
+logits only at labelled positions, and ``label_logprobs`` the log-probability of each labelled token there
+(what preference and RL training sum per example). Both are exact where they apply (tests compare them with peft's forward
 and transformers' loss) and step aside where they would not be.
 """
 
@@ -13,7 +14,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["LOGIT_PROCESSING", "assistant_loss", "merged_lora"]
+__all__ = ["LOGIT_PROCESSING", "assistant_loss", "label_logprobs", "merged_lora"]
 
 
 @contextlib.contextmanager
@@ -105,6 +106,44 @@ def assistant_loss(model: Any, tensors: dict[str, Any]) -> Any:
     a chat example are prompt). Equal to the causal-LM loss transformers computes from ``labels``."""
     import torch.nn.functional as F
 
+    found = _labelled_logits(model, tensors)
+    if found is None:
+        return model(**_model_inputs(tensors), use_cache=False).loss
+    logits, targets, _ = found
+    return F.cross_entropy(logits.float(), targets)
+
+
+def label_logprobs(model: Any, tensors: dict[str, Any]) -> tuple[Any, Any]:
+    """``(logp, where)``: the log-probability of each labelled next token, in row-major order, and the flat
+    index of the position that predicts it (to look up ``example_index`` of a packed batch). Logits are
+    computed only there, as in ``assistant_loss``; the sum of ``-logp`` over a batch divided by its count
+    is that loss."""
+    import torch
+
+    found = _labelled_logits(model, tensors)
+    if found is None:  # a model that post-processes logits: its own full forward
+        from pipeline.packing import IGNORE
+
+        logits = model(**_model_inputs(tensors), use_cache=False).logits[:, :-1]
+        targets = tensors["labels"][:, 1:]
+        keep = targets != IGNORE
+        logits, targets = logits[keep], targets[keep]
+        where = keep.flatten().nonzero().squeeze(-1)
+    else:
+        logits, targets, where = found
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp, where
+
+
+def _model_inputs(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v for k, v in tensors.items() if k in ("input_ids", "labels", "position_ids", "attention_mask")
+    }
+
+
+def _labelled_logits(model: Any, tensors: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """Logits at the positions before each label, the labels, and those positions' flat indices (in the
+    ``[rows, L - 1]`` grid); None for a model whose logits need its own forward."""
     from pipeline.packing import IGNORE
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -114,13 +153,13 @@ def assistant_loss(model: Any, tensors: dict[str, Any]) -> Any:
     # Models that post-process logits (soft-capping, scaling) keep their own forward and loss.
     processed = any(getattr(config, k, None) not in (None, 1, 1.0) for k in LOGIT_PROCESSING)
     if decoder is None or decoder is inner or head is None or processed:
-        return model(**tensors, use_cache=False).loss
+        return None
     hidden = decoder(
         input_ids=tensors["input_ids"], position_ids=tensors["position_ids"], use_cache=False
     ).last_hidden_state
     targets = tensors["labels"][:, 1:]
     keep = targets != IGNORE
-    return F.cross_entropy(head(hidden[:, :-1][keep]).float(), targets[keep])
+    return head(hidden[:, :-1][keep]), targets[keep], keep.flatten().nonzero().squeeze(-1)
 
 
 LOGIT_PROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -1,23 +1,81 @@
-"""The training step: one LoRA job per specialist with a curated dataset, continuing the parent's adapter.
+"""The training step: one LoRA job per specialist, by the method its model spec names, continuing the parent's
+adapter: ``sft`` on its curated dataset (``job``), ``dpo`` on its preference pairs (``preference``), ``grpo``
+online on its task source's training prompts with the contract's scoring as the reward (``reinforcement``).
+A specialist with no dataset (sft, dpo) or no task source (grpo) keeps its parent's adapter.
 
-Each job is recorded as it finishes (registry adapter row, MLflow run and registered model version), so a
-crashed step resumes with the specialists still to train. The registry row is written only after its MLflow
-run and model version exist: when MLflow is unreachable (``tracking.TrackingUnavailable``) the step stops
-with the candidate still in flight and nothing pointing at a run that is not there, and running it again
-continues. When the artifact store refuses the adapter (``artifacts.ArtifactStoreError``: full or not
-writable) the candidate is marked failed with that reason; no adapter row is written for a job that did not
-save a complete adapter, and the champion is untouched.
+Each job is recorded as it finishes (registry adapter row with its method, MLflow run and registered model
+version), so a crashed step resumes with the specialists still to train, and an interrupted job resumes
+from its checkpoint. The registry row is written only after its MLflow run and model version exist: when
+MLflow is unreachable (``tracking.TrackingUnavailable``) the step stops with the candidate still in flight and
+nothing pointing at a run that is not there, and running it again continues. When the artifact store
+refuses the adapter (``artifacts.ArtifactStoreError``: full or not writable) the candidate is marked failed
+with that reason; no adapter row is written for a job that did not save a complete adapter, and the champion
+is untouched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.candidate import AdvanceConfig, Progress, artifacts_for, load_generation, mark_step, step_seed
+from pipeline.errors import RatchetError
 
 if TYPE_CHECKING:
+    from pipeline.contract import ContractSpec
+    from pipeline.harness import HarnessSpec
+    from pipeline.modelspec import ModelSpec
     from pipeline.tracking import Tracker
+    from pipeline.training.job import TrainResult
+    from pipeline.training.reinforcement import Episodes
+
+RunJob = Callable[..., "TrainResult"]
+"""``run_job(name, fn, **kwargs)``: how a job is run (a Prefect task per method in ``flows``); default
+``fn(**kwargs)``."""
+
+
+def grpo_episodes(
+    *,
+    contract: ContractSpec,
+    harness: HarnessSpec,
+    specialist: str,
+    state: dict[str, Any] | None,
+    prompts: int,
+    seed: int,
+) -> Episodes:
+    """What a GRPO job practises on: ``prompts`` training items of the specialist's task source (the held-out
+    predicate applied) after the variants discovery found, seen through the harness, rewarded by the
+    contract (``scoring.episode_reward``), with the source's action substrate when it has one."""
+    from pipeline.contract import file_reader
+    from pipeline.discovery import discovered_items
+    from pipeline.heldout import heldout_index
+    from pipeline.pair import offered_tools
+    from pipeline.prompting import decoding_for, render_messages
+    from pipeline.scoring import episode_reward
+    from pipeline.tasksource import draw, task_sources
+    from pipeline.training.reinforcement import Episodes
+
+    sources = task_sources(contract, read=file_reader(contract))
+    if specialist not in sources:
+        raise RatchetError(
+            f"specialist {specialist!r} trains with method grpo but its contract entry names no task source "
+            "(`tasks`): GRPO practises on a task source's training prompts"
+        )
+    variants = discovered_items(state, specialist)
+    items, _ = draw(sources[specialist], "train", prompts, seed, heldout=heldout_index(contract))
+    source = sources[specialist]
+    decoding = decoding_for(harness, specialist)
+    return Episodes(
+        items=[*variants, *items],
+        view=lambda messages: render_messages(harness, specialist, messages),
+        reward=lambda trace: episode_reward(contract, trace, harness=harness, specialist=specialist),
+        tools=offered_tools(harness, specialist),
+        reset=getattr(source, "reset", None) if callable(getattr(source, "act", None)) else None,
+        act=getattr(source, "act", None) if callable(getattr(source, "act", None)) else None,
+        max_new_tokens=decoding.max_new_tokens,
+        stop=tuple(decoding.stop),
+    )
 
 
 def train_step(
@@ -26,11 +84,15 @@ def train_step(
     config: AdvanceConfig,
     tracker: Tracker | None = None,
     progress: Progress | None = None,
+    run_job: RunJob | None = None,
 ) -> dict[str, Any]:
-    """Train one LoRA per specialist with a dataset, continuing the parent's adapter; record each in the registry."""
+    """Train one LoRA per specialist by its method, continuing the parent's adapter; record each in the
+    registry."""
     import json as _json
 
+    from pipeline.candidate import contract_of
     from pipeline.clock import CLOCK
+    from pipeline.harness import HarnessSpec
     from pipeline.modelspec import ModelSpec
     from pipeline.placement import spec_placement, tokenizer_dir
     from pipeline.registry import (
@@ -43,7 +105,6 @@ def train_step(
     )
     from pipeline.tracking import registered_model_name
     from pipeline.training.artifacts import ArtifactStoreError
-    from pipeline.training.job import TrainConfig, train_lora
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -52,9 +113,11 @@ def train_step(
             set_generation_status(session=session, generation=gen, status="training")
         parent = load_generation(session, gen.parent_id)
         spec = ModelSpec.model_validate(gen.base_model.spec)
-        tool_call_format = gen.harness_version.spec.get("tool_call_format", "openai")
-        base_dir, base_id, number = Path(gen.base_model.path), gen.base_model_id, gen.number
+        contract = contract_of(gen)
+        harness = HarnessSpec.model_validate(gen.harness_version.spec)
+        base_dir, base_id, number, state = Path(gen.base_model.path), gen.base_model_id, gen.number, gen.state
         parent_adapters = {a.specialist: a.adapter for a in parent.adapters}
+        specialists = sorted(a.specialist for a in gen.adapters)
         datasets = {
             d.specialist: (d.path, d.sha256, d.num_rows)
             for d in session.query(TrainingDataset).filter_by(generation_id=generation_id)
@@ -70,48 +133,55 @@ def train_step(
             "base_model": gen.base_model.name,
             "base_model_sha256": gen.base_model.content_hash,
         }
-        trained = dict((gen.state or {}).get("trained", {}))
+        trained = dict((state or {}).get("trained", {}))
     out_dir = artifacts_for(config.lineage, number) / "adapters"
+    where, tokenizer = spec_placement(spec.dtype), tokenizer_dir(spec.tokenizer, base_dir)
     results: dict[str, Any] = {}
-    for specialist, (path, digest, _rows) in sorted(datasets.items()):
+    for specialist in specialists:
         if specialist in trained:  # done before a crash: keep it
             results[specialist] = trained[specialist]
             continue
-        lora, defaults = spec.specialists[specialist].lora, spec.specialists[specialist].training
+        settings = spec.specialists[specialist]
+        method = settings.method
+        if method != "grpo" and specialist not in datasets:
+            continue  # no dataset: the parent's adapter stays
         parent_adapter = parent_adapters.get(specialist)
-        train_config = TrainConfig(
-            rank=lora.rank,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=tuple(lora.target_modules),
-            lr=defaults.lr,
-            epochs=defaults.epochs,
-            max_steps=defaults.max_steps,
-            batch_size=defaults.batch_size,
-            max_seq_len=defaults.max_seq_len,
-            seed=step_seed(config, number, specialist),
-            tool_call_format=tool_call_format,
+        seed = step_seed(config, number, specialist)
+        common: dict[str, Any] = {
+            "base_model_dir": base_dir,
+            "output_dir": out_dir / f"{config.lineage}-gen{number}-{specialist}",
+            "parent_adapter_dir": Path(parent_adapter.artifact_uri) if parent_adapter else None,
+            "tracker": tracker,
+            "progress": (lambda s, t, _v, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
+            "where": where,
+            "tokenizer_dir": tokenizer,
+        }
+        info = {
+            **lineage_info,
+            "specialist": specialist,
+            "parent_adapter_sha256": parent_adapter.sha256 if parent_adapter else None,
+        }
+        digest = datasets[specialist][1] if specialist in datasets else None
+        fn, kwargs = job_for(
+            method,
+            spec,
+            specialist,
+            seed=seed,
+            fmt=harness.tool_call_format,
+            dataset=datasets.get(specialist),
         )
-        try:
-            result = train_lora(
-                base_model_dir=base_dir,
-                dataset_dir=Path(path),
-                output_dir=out_dir / f"{config.lineage}-gen{number}-{specialist}",
-                config=train_config,
-                parent_adapter_dir=Path(parent_adapter.artifact_uri) if parent_adapter else None,
-                lineage={
-                    **lineage_info,
-                    "specialist": specialist,
-                    "dataset_sha256": digest,
-                    "parent_adapter_sha256": parent_adapter.sha256 if parent_adapter else None,
-                },
-                tracker=tracker,
-                progress=(lambda s, t, _loss, sp=specialist: progress(f"train {sp}", s, t))
-                if progress
-                else None,
-                where=spec_placement(spec.dtype),
-                tokenizer_dir=tokenizer_dir(spec.tokenizer, base_dir),
+        if method == "grpo":
+            kwargs["episodes"] = grpo_episodes(
+                contract=contract,
+                harness=harness,
+                specialist=specialist,
+                state=state,
+                prompts=settings.grpo.steps * settings.grpo.prompts_per_step,
+                seed=step_seed(config, number, f"grpo:{specialist}"),
             )
+        try:
+            call = {**common, **kwargs, "lineage": {**info, "dataset_sha256": digest}}
+            result = run_job(f"train-{method}-{specialist}", fn, **call) if run_job else fn(**call)
         except ArtifactStoreError as exc:  # not transient: record why, so the next advance starts afresh
             reason = f"failed: training {specialist}: {exc}"
             with session_scope(engine) as session:
@@ -125,6 +195,7 @@ def train_step(
             version = tracker.register_adapter(
                 registered_model_name(config.lineage, specialist), result.run_id, "adapter"
             )
+        lora = settings.lora
         with session_scope(engine) as session:
             gen = load_generation(session, generation_id)
             adapter = create_adapter(
@@ -139,8 +210,9 @@ def train_step(
                 parent_adapter_id=parent_adapter.id if parent_adapter else None,
                 mlflow_run_id=result.run_id,
                 dataset_sha256=digest,
+                method=method,
                 metrics={
-                    "final_loss": result.final_loss,
+                    "final_loss" if method != "grpo" else "final_reward": result.final_loss,
                     "steps": result.steps,
                     "tokens_per_s": result.tokens_per_second,
                     "loss_curve": [list(point) for point in result.loss_curve],
@@ -153,8 +225,9 @@ def train_step(
             )
             results[specialist] = {
                 "adapter_id": adapter.id,
+                "method": method,
                 "steps": result.steps,
-                "loss": result.final_loss,
+                "loss" if method != "grpo" else "reward": result.final_loss,
                 "resumed_from_step": result.resumed_from_step,
             }
             state = dict(gen.state or {})
@@ -163,3 +236,51 @@ def train_step(
     with session_scope(engine) as session:
         mark_step(session, load_generation(session, generation_id), "train", {"adapters": results})
     return results
+
+
+def job_for(
+    method: str,
+    spec: ModelSpec,
+    specialist: str,
+    *,
+    seed: int,
+    fmt: str,
+    dataset: tuple[str, str, int] | None,
+) -> tuple[Callable[..., TrainResult], dict[str, Any]]:
+    """The job function of ``method`` and its method-specific arguments (from the model spec)."""
+    settings = spec.specialists[specialist]
+    if method == "sft":
+        from pipeline.training.job import TrainConfig, train_lora
+
+        lora, defaults = settings.lora, settings.training
+        config = TrainConfig(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules),
+            lr=defaults.lr,
+            epochs=defaults.epochs,
+            max_steps=defaults.max_steps,
+            batch_size=defaults.batch_size,
+            max_seq_len=defaults.max_seq_len,
+            seed=seed,
+            tool_call_format=fmt,
+        )
+        assert dataset is not None
+        return train_lora, {"dataset_dir": Path(dataset[0]), "config": config}
+    common = {
+        "lora": settings.lora,
+        "seed": seed,
+        "tool_call_format": fmt,
+        "max_seq_len": settings.training.max_seq_len,
+    }
+    if method == "dpo":
+        from pipeline.training.preference import train_dpo
+
+        assert dataset is not None
+        return train_dpo, {**common, "dataset_dir": Path(dataset[0]), "settings": settings.dpo}
+    if method == "grpo":
+        from pipeline.training.reinforcement import train_grpo
+
+        return train_grpo, {**common, "settings": settings.grpo}
+    raise RatchetError(f"specialist {specialist!r}: unknown training method {method!r}")

@@ -53,7 +53,7 @@ def _served(url: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def dashboard_home(tmp_path_factory, small_base) -> Path:
-    from conftest import ingest_corrections, write_specs
+    from conftest import METHODS, ingest_corrections, write_specs
 
     from pipeline.advance import advance_once
     from pipeline.candidate import AdvanceConfig
@@ -71,7 +71,7 @@ def dashboard_home(tmp_path_factory, small_base) -> Path:
         for name in ("RATCHET_DATABASE_URL", "MLFLOW_TRACKING_URI", "RATCHET_ADMIN_TOKEN"):
             mp.delenv(name, raising=False)
         get_settings.cache_clear()
-        specs = write_specs(root, small_base)
+        specs = write_specs(root, small_base, methods={"genui": METHODS["genui"]})  # genui trains by grpo
         model = yaml.safe_load(specs["model"].read_text())
         for spec in model["specialists"].values():  # enough steps that candidates differ from their parent
             spec["training"] = {"epochs": 30, "batch_size": 4, "lr": 0.003}

@@ -43,7 +43,7 @@ def test_lineage_page_and_api_show_every_generation(client, read_settings):
     stored = dict(_rows(read_settings, select(Generation.number, Generation.status)))
     assert {n: g["status"] for n, g in gens.items()} == stored and len(stored) == 3
     assert data["champion"] == 0 and gens[0]["champion"] and gens[1]["parent"] == 0
-    assert gens[1]["overall"] is not None and gens[1]["method"].startswith("sft")
+    assert gens[1]["overall"] is not None and gens[1]["method"].startswith("grpo+sft")
     page = client.get("/")
     assert page.status_code == 200 and "<svg" in page.text
     for n in gens:  # every node of the tree links to its generation page
@@ -72,13 +72,24 @@ def test_generation_detail_has_the_decision_evidence(client, read_settings):
     for s, rows in datasets.items():
         a = adapters[s]
         assert a["new"] and a["dataset"]["rows"] == rows and len(a["loss_curve"]) == a["steps"] > 1
-        assert all(step >= 1 and loss > 0 for step, loss in a["loss_curve"])
+        assert all(step >= 1 and loss > 0 for step, loss in a["loss_curve"]) and a["method"] == "sft"
+    rl = adapters["genui"]  # trained online: no dataset, a reward curve, the method said
+    assert rl["method"] == "grpo" and rl["dataset"] is None and len(rl["loss_curve"]) == rl["steps"] == 2
+    assert rl["final_reward"] is not None and rl["final_loss"] is None
     router = data["router"]
     assert sum(sum(row.values()) for row in router["confusion"].values()) == router["total"]
     kept = data["curation"]["kept"]
-    assert kept == datasets and "below threshold" in data["curation"]["reasons"]
+    assert {s: n for s, n in kept.items() if n} == datasets and "below threshold" in data["curation"][
+        "reasons"
+    ]
+    found = data["discovery"]
+    assert set(found) == {"chat", "agent", "coding", "genui"} and all(d["tried"] > 0 for d in found.values())
     page = client.get("/generations/1").text
     assert "training loss" in page and "router confusion" in page and "non-inferiority" in page
+    assert "GRPO: mean contract reward" in page and "<h2>Discovery</h2>" in page
+    nodes = {g["number"]: g for g in client.get("/api/lineage").json()["generations"]}
+    assert nodes[1]["method"].startswith("grpo+sft")  # the tree labels a node with the methods that built it
+    assert "grpo+sft" in client.get("/").text
 
 
 def test_item_comparison_matches_the_stored_evaluation(client, read_settings):

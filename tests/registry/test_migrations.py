@@ -111,10 +111,32 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0005" in capsys.readouterr().out
+    assert "revision 0006" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main(["db", "downgrade", "nonsense"])
     assert exc.value.code == 1
     assert "cannot downgrade to 'nonsense'" in capsys.readouterr().err
+
+
+def test_adapters_trained_before_0006_read_as_sft(empty_url):
+    """Migration 0006 adds adapters.method; every adapter that existed before was trained by filtered SFT."""
+    from sqlalchemy import text
+
+    upgrade_db(empty_url, "0005")
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO base_models (name, path, spec, content_hash, created_at) "
+                              "VALUES ('b', '/b', '{}', 'h', CURRENT_TIMESTAMP)"))  # fmt: skip
+            conn.execute(text(
+                "INSERT INTO adapters (specialist, version, base_model_id, rank, alpha, target_modules, "
+                "artifact_uri, sha256, metrics, created_at) "
+                "VALUES ('chat', 1, (SELECT id FROM base_models), 4, 8, '[]', '/a', 's', '{}', CURRENT_TIMESTAMP)"
+            ))  # fmt: skip
+        upgrade_db(empty_url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT method FROM adapters")).scalar_one() == "sft"
+    finally:
+        engine.dispose()

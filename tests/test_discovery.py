@@ -1,0 +1,116 @@
+"""Discovery: variants of training prompts with verifiable answers, never held out, kept when the champion
+solves them sometimes but not reliably; collection practises on them; evaluation reports them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.advance import run_steps
+from pipeline.candidate import AdvanceConfig, done_steps
+from pipeline.contract import load_contract
+from pipeline.discovery import composed_variants, discovered_items, keep_allowed
+from pipeline.environment import perturbed_items, sample_prompts, split_of, verify
+from pipeline.errors import RatchetError
+from pipeline.heldout import HeldoutIndex, heldout_index
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTRACT = load_contract(ROOT / "contracts" / "demo.yaml")
+
+
+@pytest.mark.parametrize("family", ["chat", "agent", "coding", "genui"])
+def test_demo_variants_are_training_problems_with_their_answers(family):
+    items = sample_prompts(family, 50, seed=3)
+    variants = perturbed_items(family, items, 200, seed=1)
+    assert len(variants) == 200
+    given = {it["metadata"]["task_id"] for it in items}
+    for v in variants:
+        a, b = (int(x) for x in v["metadata"]["task_id"].rsplit(":", 1)[1].split("+"))
+        assert split_of(a, b) == "train" and v["metadata"]["split"] == "train"  # never a held-out pair
+        assert v["metadata"]["task_id"] not in given
+        assert verify(v, v["metadata"]["expected"])[0]  # the answer it carries is the right one
+    assert len({v["metadata"]["task_id"] for v in variants}) == len(variants)
+
+
+def test_composed_variants_keep_the_items_checks():
+    items = sample_prompts("chat", 10, seed=2)
+    for v in composed_variants(items, 8, seed=0):
+        prior_q, prior_a, question = v["messages"]
+        assert prior_q["role"] == "user" and prior_a["role"] == "assistant" and question["role"] == "user"
+        target = next(it for it in items if it["messages"][0]["content"] == question["content"])
+        assert v["metadata"] == target["metadata"]  # the final turn is checked against its own item
+        prior = next(it for it in items if it["messages"][0]["content"] == prior_q["content"])
+        assert prior_a["content"] == prior["metadata"]["expected"]
+
+
+def test_the_held_out_predicate_stops_a_variant_that_poses_a_held_out_prompt():
+    """Attack: a task source whose variants pose held-out prompts (in any case or spacing) gets none through."""
+    secret = "41+42=?"
+    index = HeldoutIndex.build([("chat #0", secret)], ngram=8, threshold=0.5)
+    variants = [
+        {"messages": [{"role": "user", "content": " 41+42=? "}], "metadata": {"expected": "83"}},
+        {
+            "messages": [
+                {"role": "user", "content": "1+2=?"},
+                {"role": "assistant", "content": "3"},
+                {"role": "user", "content": secret},
+            ],
+            "metadata": {"expected": "83"},
+        },  # fmt: skip
+        {
+            "messages": [{"role": "user", "content": "5+6=?"}],
+            "metadata": {"split": "heldout", "expected": "11"},
+        },
+        {"messages": [{"role": "user", "content": "10+11=?"}], "metadata": {"expected": "21"}},
+    ]
+    kept, stopped = keep_allowed(variants, index)
+    assert stopped == 3 and [v["messages"][0]["content"] for v in kept] == ["10+11=?"]
+    assert kept[0]["metadata"]["split"] == "train" and kept[0]["metadata"]["discovered"] is True
+
+
+def test_discovered_variants_are_checked_against_their_sha256(tmp_path):
+    from pipeline.discovery import write_variants
+
+    entry = write_variants(
+        [{"messages": [{"role": "user", "content": "1+2=?"}], "metadata": {}}], tmp_path / "v"
+    )
+    state = {"steps": {"discover": {"specialists": {"chat": entry}}}}
+    assert len(discovered_items(state, "chat")) == 1 and discovered_items(state, "agent") == []
+    Path(entry["path"]).write_text(json.dumps({"messages": [{"role": "user", "content": "7+8=?"}]}) + "\n")
+    with pytest.raises(RatchetError, match="sha256"):
+        discovered_items(state, "chat")
+
+
+def test_discovery_finds_the_champions_frontier_and_collection_practises_it(lineage):
+    from pipeline.registry import Generation, get_engine, session_scope
+    from pipeline.scoring import score_trace
+
+    config = AdvanceConfig(prompts_per_specialist=40, samples_per_prompt=2, discovery_candidates=48,
+                           discovery_samples=4, min_examples=2, validation_items=6, seed=1)  # fmt: skip
+    from pipeline.advance import begin_candidate, owner_id
+
+    generation_id = begin_candidate(config=config, owner=owner_id())
+    run_steps(("discover", "collect"), generation_id=generation_id, config=config)
+    steps = done_steps(generation_id)
+    found = steps["discover"]["specialists"]
+    assert set(found) == {"chat", "agent", "coding", "genui"}
+    assert all(f["tried"] > 0 for f in found.values())
+    with session_scope(get_engine()) as s:
+        state = s.get(Generation, generation_id).state
+    index = heldout_index(load_contract(lineage["contract"]))
+    total = 0
+    for specialist, f in found.items():
+        items = discovered_items(state, specialist)
+        assert len(items) == f["found"]
+        total += len(items)
+        for item in items:  # within reach, not yet learned: 1..3 of 4 samples solved
+            assert 0 < item["metadata"]["discovered_pass_rate"] < 0.5
+            assert index.exclusion(messages=item["messages"], metadata=item["metadata"]) is None
+            answer = item["metadata"].get("expected")
+            if isinstance(answer, str) and specialist == "chat":  # the variant's answer verifies
+                trace = {**item, "messages": [*item["messages"], {"role": "assistant", "content": answer}]}
+                assert score_trace(load_contract(lineage["contract"]), trace, specialist="chat").verified
+        assert steps["collect"]["discovered_variants"][specialist] == len(items)
+    assert total > 0, found  # the small base solves some sums sometimes
