@@ -183,3 +183,19 @@ def test_grpo_runs_on_a_real_architecture_with_tools(tmp_path):
                         settings=GrpoSettings(group_size=4, prompts_per_step=4, steps=2, max_turns=2),
                         tool_call_format="openai")  # fmt: skip
     assert result.completed and result.steps == 2 and len(result.adapter_sha256) == 64
+
+
+def test_a_substrate_that_fails_on_a_call_answers_with_an_error(small_base, caller):
+    """The model's calls are untrusted input: a substrate that raises on one ends nothing but that call."""
+    from pipeline.decoding import load_model
+    from pipeline.environment import TOOLS
+
+    def broken(state, call):
+        raise KeyError(call["name"])
+
+    model, tok = load_model(small_base, caller)
+    items = sample_prompts("agent", 4, seed=4)
+    task = _episodes(items, lambda t: 0.0, reset=lambda item: {}, act=broken, tools=TOOLS)
+    traces = roll_out(model, tok, items, task, GrpoSettings(group_size=2, max_turns=2), fmt="compact", seed=0)
+    results = [m["content"] for t in traces for m in t["messages"] if m["role"] == "tool"]
+    assert results and all(json.loads(r)["error"].startswith("KeyError") for r in results)

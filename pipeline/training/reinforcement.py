@@ -343,7 +343,17 @@ def roll_out(
             if not calls or episodes.act is None or turn + 1 >= settings.max_turns:
                 continue
             for call in calls:
-                run["state"], result = episodes.act(run["state"], _call(call))
+                try:
+                    run["state"], result = episodes.act(run["state"], _call(call))
+                except (
+                    Exception
+                ) as exc:  # the call is the model's: whatever it does to a substrate is an answer
+                    log.warning(
+                        "the substrate failed on a call (%s: %s); given back as an error",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    result = {"error": f"{type(exc).__name__}: {exc}"}
                 run["messages"].append(
                     {
                         "role": "tool",
