@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/serve.py
 	$(PY) bench/sandbox.py
 	$(PY) bench/gates.py
+	$(PY) bench/methods.py
 	$(PY) bench/dashboard.py --backend sqlite --cache .ratchet/cache
 
 clean:
