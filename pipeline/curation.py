@@ -231,7 +231,8 @@ def curate_step(
                 continue
             offered = offered_tools(harness, specialist)
             for ex in examples:  # train on what the model sees under the harness
-                *context, answer = ex["messages"]
+                last = max(i for i, m in enumerate(ex["messages"]) if m.get("role") == "assistant")
+                context, answer = ex["messages"][:last], ex["messages"][last]  # nothing after the reply
                 context = render_messages(harness, specialist, context)
                 ex["messages"] = [*context, answer]
                 if "rejected" in ex:  # the same rendered context for the other reply

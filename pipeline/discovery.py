@@ -3,8 +3,8 @@
 For each specialist with a task source, ``discover_step`` draws training items (the held-out predicate
 applied, as for collection), makes variants of them -- the source's own ``variants`` (the demo: nearby
 operands, swapped order, another tool or widget; training-split problems only), or, for a source without
-one, compositions: another training item's exchange, answered with its reference answer, placed before the
-item, whose checks still apply to the final turn -- leaves out every variant the shared held-out predicate
+one, compositions: another training item's question and reference answer written ahead of the item's own
+question, whose checks still apply -- leaves out every variant the shared held-out predicate
 matches, and has the champion answer each ``discovery_samples`` times at the collection temperature. A
 variant is kept when the contract solves (verified, total at least ``selection.min_score``) more than none
 and fewer than half of its samples: within reach, not yet learned.
@@ -33,31 +33,39 @@ if TYPE_CHECKING:
 
 
 def composed_variants(items: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
-    """Up to ``n`` compositions of ``items``: another item's conversation answered with its reference answer
-    (``metadata.expected``, text), then the item's own conversation and checks. Items without a text
-    reference only receive a prefix."""
+    """Up to ``n`` compositions of ``items``: another item's question and reference answer
+    (``metadata.expected``, text) written into the item's first user message ahead of its own question; the
+    item's checks apply unchanged. The prefix is text in the user's turn, never an assistant turn: nothing in
+    the conversation is scored but the reply to the item."""
     rng = random.Random(f"compose:{seed}")
     answered = [
         it
         for it in items
         if isinstance((it.get("metadata") or {}).get("expected"), str)
         and not (it.get("metadata") or {}).get("expected_call")
+        and isinstance(_first_user(it), str)
     ]
     out, seen = [], set()
     for _ in range(4 * n):
         if len(out) >= n or not answered or len(items) < 2:
             break
         item, prior = rng.choice(items), rng.choice(answered)
-        if prior is item:
+        first = next((i for i, m in enumerate(item["messages"]) if m.get("role") == "user"), None)
+        if prior is item or first is None or not isinstance(item["messages"][first].get("content"), str):
             continue
-        messages = [*prior["messages"], {"role": "assistant", "content": prior["metadata"]["expected"]}]
-        messages += [m for m in item["messages"] if m.get("role") != "system"]
+        messages = [dict(m) for m in item["messages"]]
+        lead = f"{_first_user(prior)}\n{prior['metadata']['expected']}\n\n"
+        messages[first]["content"] = lead + messages[first]["content"]
         key = json.dumps(messages, sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
         out.append({"messages": messages, "metadata": dict(item.get("metadata") or {}), "feedback": None})
     return out
+
+
+def _first_user(item: dict[str, Any]) -> Any:
+    return next((m.get("content") for m in item["messages"] if m.get("role") == "user"), None)
 
 
 def make_variants(source: TaskSource, items: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
@@ -131,12 +139,15 @@ def discover_step(
 
 
 def keep_allowed(variants: list[dict[str, Any]], index: HeldoutIndex) -> tuple[list[dict[str, Any]], int]:
-    """The variants the held-out predicate lets through (never marked held-out), and how many it stopped."""
+    """The variants the held-out predicate lets through (none a source marked held-out or validation), and how
+    many were stopped."""
     kept = []
     for v in variants:
-        meta = {**(v.get("metadata") or {}), "split": "train", "discovered": True}
-        if index.exclusion(messages=v.get("messages") or [], metadata=v.get("metadata")) is None:
-            kept.append({**v, "metadata": meta})
+        given = v.get("metadata") or {}
+        if given.get("split") not in (None, "train"):  # a source's validation item is never practised
+            continue
+        if index.exclusion(messages=v.get("messages") or [], metadata=given) is None:
+            kept.append({**v, "metadata": {**given, "split": "train", "discovered": True}})
     return kept, len(variants) - len(kept)
 
 

@@ -4,8 +4,9 @@
 (``eligibility.prompt_key``: the conversation before the final assistant turn, system prompts aside). In a
 group, every distinct reply (the final assistant turn) that the group's best reply -- highest total, then
 newest -- beats by at least ``selection.min_preference_margin`` becomes the *other* side of a pair whose
-*preferred* side is that best reply. Both replies were verified by the contract: a form-only score never
-ranks anything. An accepted user correction (scored under the contract without its rating, and passed:
+*preferred* side is that best reply, when it reaches ``selection.min_score`` (the preferred reply is also
+trained on, with ``sft_weight``). Both replies were verified by the contract: a form-only score never ranks
+anything. An accepted user correction (scored under the contract without its rating, and passed:
 ``eligibility.accepted_correction``) is preferred to the reply it corrects, whatever that reply scored.
 
 Never in a pair: a held-out trace (``eligibility.load_candidates`` applies the shared predicate, and every
@@ -57,6 +58,13 @@ def _reply_key(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _through_final_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation up to and including its final assistant turn (what follows it is no part of the
+    reply being ranked)."""
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    return messages[: last + 1]
+
+
 def _with_reply(context_from: list[dict[str, Any]], reply_from: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``context_from``'s conversation before its final assistant turn, then ``reply_from``'s final turn."""
     last = max(i for i, m in enumerate(context_from) if m.get("role") == "assistant")
@@ -102,7 +110,7 @@ def preference_pairs(
         if corrected is not None and cand.correction:
             row = {
                 "messages": corrected,
-                "rejected": _with_reply(corrected, cand.messages),
+                "rejected": _with_reply(corrected, _through_final_reply(cand.messages)),
                 "score": float(cand.correction["total"]),
                 "rejected_score": cand.score,
                 "margin": 1.0,  # a user's accepted correction outranks the reply it corrects
@@ -118,15 +126,19 @@ def preference_pairs(
         if cand.metadata.get("finish_reason") in STOPPED:
             drops.add(cand.specialist, "reply stopped before its end")
             continue
-        group = groups.setdefault((cand.specialist, prompt_key(cand.messages)), {})
-        key = _reply_key(cand.messages)
-        reply = _Reply(float(cand.score), order, cand.messages, cand.experience_id, tools)
+        messages = _through_final_reply(cand.messages)
+        group = groups.setdefault((cand.specialist, prompt_key(messages)), {})
+        key = _reply_key(messages)
+        reply = _Reply(float(cand.score), order, messages, cand.experience_id, tools)
         if key not in group or (reply.score, reply.order) > (group[key].score, group[key].order):
             group[key] = reply
     ranked: dict[str, list[tuple[float, int, dict[str, Any]]]] = corrections
     for (specialist, _), group in groups.items():
         replies = sorted(group.values(), key=lambda r: (r.score, r.order), reverse=True)
         best, paired = replies[0], 0
+        if best.score < rules.min_score:  # the preferred side is also trained on (RPO): it must pass
+            drops.add(specialist, "no pair within margin", len(replies))
+            continue
         for other in replies[1:]:
             margin = best.score - other.score
             if margin < rules.min_preference_margin:

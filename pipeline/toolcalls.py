@@ -69,7 +69,12 @@ def parse_compact_call(text: str) -> Call | None:
             key = key.strip()
             if not sep or not key.isidentifier() or key in arguments or _RESERVED.search(value):
                 return None
-            arguments[key] = int(value) if _INT.match(value) else value
+            if _INT.match(value):
+                try:
+                    value = int(value)
+                except ValueError:  # more digits than Python converts (4,300): not a call, never a crash
+                    return None
+            arguments[key] = value
     return {"name": name, "arguments": arguments}
 
 
@@ -99,7 +104,7 @@ def _parse_json(text: str) -> list[Call] | None:
         return None
     try:
         data = json.loads(body)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or an integer longer than Python converts: not a call
         return None
     items = data if isinstance(data, list) else [data]
     calls = []
@@ -110,7 +115,7 @@ def _parse_json(text: str) -> list[Call] | None:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except ValueError:
                 return None
         if not isinstance(args, dict):
             return None
@@ -250,7 +255,7 @@ def from_openai(tool_calls: Sequence[dict[str, Any]]) -> list[Call]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or an integer longer than Python converts
                 args = {"_raw": args}
         out.append(
             {"name": fn.get("name", ""), "arguments": args if isinstance(args, dict) else {"_raw": args}}

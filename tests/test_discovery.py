@@ -36,13 +36,15 @@ def test_demo_variants_are_training_problems_with_their_answers(family):
 
 def test_composed_variants_keep_the_items_checks():
     items = sample_prompts("chat", 10, seed=2)
-    for v in composed_variants(items, 8, seed=0):
-        prior_q, prior_a, question = v["messages"]
-        assert prior_q["role"] == "user" and prior_a["role"] == "assistant" and question["role"] == "user"
-        target = next(it for it in items if it["messages"][0]["content"] == question["content"])
-        assert v["metadata"] == target["metadata"]  # the final turn is checked against its own item
-        prior = next(it for it in items if it["messages"][0]["content"] == prior_q["content"])
-        assert prior_a["content"] == prior["metadata"]["expected"]
+    variants = composed_variants(items, 8, seed=0)
+    assert len(variants) == 8
+    for v in variants:
+        (question,) = v["messages"]  # one user turn: the prefix is never an assistant turn to be scored
+        prior_q, prior_a, _, own = question["content"].split("\n")
+        target = next(it for it in items if it["messages"][0]["content"] == own)
+        assert v["metadata"] == target["metadata"]  # the reply is checked against its own item
+        prior = next(it for it in items if it["messages"][0]["content"] == prior_q)
+        assert prior_a == prior["metadata"]["expected"]
 
 
 def test_the_held_out_predicate_stops_a_variant_that_poses_a_held_out_prompt():
@@ -63,10 +65,14 @@ def test_the_held_out_predicate_stops_a_variant_that_poses_a_held_out_prompt():
             "messages": [{"role": "user", "content": "5+6=?"}],
             "metadata": {"split": "heldout", "expected": "11"},
         },
+        {
+            "messages": [{"role": "user", "content": "6+7=?"}],
+            "metadata": {"split": "validation", "expected": "13"},
+        },
         {"messages": [{"role": "user", "content": "10+11=?"}], "metadata": {"expected": "21"}},
     ]
     kept, stopped = keep_allowed(variants, index)
-    assert stopped == 3 and [v["messages"][0]["content"] for v in kept] == ["10+11=?"]
+    assert stopped == 4 and [v["messages"][0]["content"] for v in kept] == ["10+11=?"]
     assert kept[0]["metadata"]["split"] == "train" and kept[0]["metadata"]["discovered"] is True
 
 

@@ -133,3 +133,21 @@ def test_the_cap_keeps_the_largest_margins_newest_first():
     cands += [_cand(100, "50+51=?", "101", 1.0), _cand(101, "50+51=?", "0", 0.0)]
     rows, dropped = _pairs(cands, max_pairs=2)
     assert [r["experience_id"] for r in rows] == [100, 20] and dropped["over cap"] == 2
+
+
+def test_a_preferred_reply_must_pass_the_contract():
+    """The preferred side is trained on too (RPO): one below selection.min_score is no one's preferred reply,
+    however far it is above the other."""
+    rows, dropped = _pairs([_cand(1, "12+35=?", "4", 0.6), _cand(2, "12+35=?", "x", 0.0)])
+    assert rows == [] and dropped == {"no pair within margin": 2}
+
+
+def test_what_follows_the_final_reply_is_no_part_of_a_pair():
+    after = {"role": "tool", "tool_call_id": "c1", "content": "{}"}
+    best = _cand(1, "12+35=?", "47", 1.0)
+    other = _cand(2, "12+35=?", "46", 0.0)
+    best.messages.append(after)
+    other.messages.append(after)
+    (row,), _ = _pairs([best, other])
+    assert [m["role"] for m in row["messages"]] == [m["role"] for m in row["rejected"]] == ["user", "assistant"]
+    assert _replies(row) == ("47", "46")

@@ -130,7 +130,7 @@ def test_multi_turn_episodes_act_on_the_substrate(small_base, caller):
     assert acted > 0  # the taught model calls tools, so some episodes have several turns
 
 
-def test_every_assistant_turn_of_an_episode_is_trained_and_no_tool_result_on_a_real_template(tmp_path):
+def test_the_turns_the_policy_wrote_are_trained_and_no_tool_result_or_exemplar_on_a_real_template(tmp_path):
     from realmodel import train_tokenizer
 
     from pipeline.toolcalls import to_openai
@@ -138,6 +138,8 @@ def test_every_assistant_turn_of_an_episode_is_trained_and_no_tool_result_on_a_r
     tok = train_tokenizer()
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     episode = [
+        {"role": "user", "content": "weather code for Bonn?"},  # an exemplar: context, never trained on
+        {"role": "assistant", "content": "21"},
         {"role": "user", "content": "weather code for Köln?"},
         {
             "role": "assistant",
@@ -147,7 +149,7 @@ def test_every_assistant_turn_of_an_episode_is_trained_and_no_tool_result_on_a_r
         {"role": "tool", "tool_call_id": "x", "content": '{"code": 17}'},
         {"role": "assistant", "content": "17 😀"},
     ]
-    ids, labels = encode_episode(tok, episode, 512, fmt="openai", tools=tools)
+    ids, labels = encode_episode(tok, episode, 512, fmt="openai", tools=tools, turns=2)  # the policy wrote 2
     spans, current = [], []
     for i, label in zip(ids, labels, strict=True):
         if label != IGNORE:
@@ -160,7 +162,7 @@ def test_every_assistant_turn_of_an_episode_is_trained_and_no_tool_result_on_a_r
         '<tool_call>\n{"name": "lookup", "arguments": {"city": "Köln"}}\n</tool_call><|im_end|>\n',
         "17 😀<|im_end|>\n",
     ]
-    assert "tool_response" not in "".join(spans)
+    assert "tool_response" not in "".join(spans) and "21" not in "".join(spans)
 
 
 def test_grpo_runs_on_a_real_architecture_with_tools(tmp_path):

@@ -223,7 +223,7 @@ def test_tool_call_in_compact_content():
     out = run_scorer(config, agent_ctx(answer="add_item(name=egg,qty=47)", expected=expected))
     assert out.value == 1.0 and out.info["calls"] == [expected]
     two = agent_ctx(answer="set_timer(minutes=5)\nadd_item(name=egg,qty=47)", expected=expected)
-    assert value(config, two) == 1.0
+    assert value(config, two) == 0.0  # the right call beside another is not the right action
     assert value(config, agent_ctx(answer="add_item(name=egg,qty=46)", expected=expected)) == 0.0
     bad = run_scorer(config, agent_ctx(answer="set_timer(minutes=five)"))
     assert bad.value == 0.0 and "arguments invalid at minutes" in bad.error
@@ -233,6 +233,46 @@ def test_tool_call_in_compact_content():
         value(cfg(kind="tool_call", accept_content_compact=False), agent_ctx(answer="set_timer(minutes=5)"))
         == 0.0
     )
+
+
+def _episode(*turns: dict) -> list[dict]:
+    return [{"role": "user", "content": "timer 46+1"}, *turns]
+
+
+def _at(messages: list[dict], expected: dict) -> TurnContext:
+    return TurnContext(messages=messages, index=len(messages) - 1, specialist="agent",
+                       metadata={"expected_call": expected}, harness=HARNESS, is_final=True,
+                       specialist_called_tool=True)  # fmt: skip
+
+
+def test_a_request_passes_only_when_its_actions_are_exactly_the_expected_call():
+    """Attack (kept): spraying calls -- several at once, or one per turn of a tool episode -- never passes;
+    the text that ends a tool episode is checked on the episode's actions."""
+    config = cfg(kind="tool_call")
+    want = {"name": "set_timer", "arguments": {"minutes": 47}}
+
+    def turn(minutes):
+        return {"role": "assistant", "content": None, "tool_calls": call("set_timer", {"minutes": minutes})}
+
+    result = {"role": "tool", "tool_call_id": "c1", "content": "{}"}
+    spray = agent_ctx(
+        answer="set_timer(minutes=46)\nset_timer(minutes=47)\nset_timer(minutes=48)", expected=want
+    )
+    assert value(config, spray) == 0.0
+    assert (
+        value(config, _at(_episode(turn(46), result, turn(47)), want)) == 0.0
+    )  # a wrong call, then the right
+    assert value(config, _at(_episode(turn(47), result, turn(47)), want)) == 0.0  # the right one twice
+    right = run_scorer(
+        config, _at(_episode(turn(47), result, {"role": "assistant", "content": "Done."}), want)
+    )
+    assert right.value == 1.0 and right.verified  # the answer after the right call: verified, passed
+    wrong = run_scorer(
+        config, _at(_episode(turn(46), result, {"role": "assistant", "content": "Set to 47."}), want)
+    )
+    assert wrong.value == 0.0 and wrong.verified and "the request made" in wrong.error
+    earlier = [{"role": "user", "content": "timer 1+1"}, turn(2), result]  # a previous request's actions
+    assert value(config, _at([*earlier, *_episode(turn(47))], want)) == 1.0
 
 
 def test_tool_call_missing_call():

@@ -374,3 +374,39 @@ def test_stale_rows_are_scored_again_and_history_keeps_what_they_replaced(sessio
     assert new.verified and new.details["verified_by"] == ["feedback"]
     reasons = {h.reason for h in session.scalars(select(ScoreHistory).where(ScoreHistory.experience_id == 2))}
     assert "feedback arrived after scoring" in reasons
+
+
+def test_the_rl_reward_is_the_verified_final_turn_and_cannot_be_bought():
+    """What GRPO maximises: the final turn's contract score when it was verified. Attacks kept: spraying calls
+    over an episode's turns, a right call followed by a wrong one, and an unverifiable ending pay nothing."""
+    from pipeline.environment import sample_prompts
+    from pipeline.scoring import episode_reward
+    from pipeline.toolcalls import to_openai
+
+    contract = load_contract(ROOT / "contracts" / "demo.yaml")
+    item = next(
+        it
+        for it in sample_prompts("agent", 20, seed=3)
+        if it["metadata"]["expected_call"]["name"] == "set_timer"
+    )
+    minutes = item["metadata"]["expected_call"]["arguments"]["minutes"]
+
+    def calls(*values):
+        return {"role": "assistant", "content": None,
+                "tool_calls": to_openai([{"name": "set_timer", "arguments": {"minutes": v}} for v in values])}  # fmt: skip
+
+    result = {"role": "tool", "tool_call_id": "x", "content": "{}"}
+
+    def reward(*turns):
+        trace = {"messages": [*item["messages"], *turns], "metadata": item["metadata"], "feedback": None}
+        return episode_reward(contract, trace, harness=HARNESS, specialist="agent")
+
+    assert reward(calls(minutes)) == 1.0
+    assert reward(calls(minutes), result, {"role": "assistant", "content": "Done."}) == 1.0
+    assert reward(calls(minutes - 1, minutes, minutes + 1)) == 0.0  # several at once
+    assert reward(calls(minutes - 1), result, calls(minutes)) == 0.0  # one per turn
+    assert reward(calls(minutes), result, calls(minutes + 1)) == 0.0  # right, then wrong
+    assert reward(calls(minutes), result, calls(minutes)) == 0.0  # right twice: the timer set twice
+    chat = sample_prompts("chat", 1, seed=3)[0]
+    unchecked = {"messages": [*chat["messages"], {"role": "assistant", "content": "47"}], "metadata": {}}
+    assert episode_reward(contract, unchecked, harness=HARNESS, specialist="chat") == 0.0  # length alone

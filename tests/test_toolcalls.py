@@ -52,3 +52,16 @@ def test_assistant_message_and_answered_trace():
         "role": "assistant",
         "content": "set_timer(minutes=5)",
     }  # no tool offered: text
+
+
+def test_a_number_longer_than_python_converts_is_not_a_call_and_never_a_crash():
+    """Hostile model output: 5,000 digits in a call's argument (Python refuses more than 4,300)."""
+    from pipeline.toolcalls import assistant_message, from_openai
+
+    huge = "9" * 5000
+    for fmt, text in (("compact", f"set_timer(minutes={huge})"),
+                      ("json", f'{{"name": "set_timer", "arguments": {{"minutes": {huge}}}}}'),
+                      ("json", f'<tool_call>{{"name": "set_timer", "arguments": {{"minutes": {huge}}}}}</tool_call>')):  # fmt: skip
+        assert assistant_message(text, ["set_timer"], fmt) == {"role": "assistant", "content": text}
+    call = {"function": {"name": "set_timer", "arguments": f'{{"minutes": {huge}}}'}}
+    assert from_openai([call])[0]["arguments"] == {"_raw": f'{{"minutes": {huge}}}'}

@@ -87,11 +87,40 @@ def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any],
     return args, None
 
 
-def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
-    """1 when every call is valid against the harness tools and (if given) one matches the expected call.
+def _earlier_calls(ctx: TurnContext, cfg: ToolCallScorer) -> list[dict[str, Any]]:
+    """The calls the conversation's assistant turns made since the last user message, before this turn:
+    the earlier actions of the same request (a multi-turn tool episode)."""
+    start = max((i for i, m in enumerate(ctx.messages[: ctx.index]) if m.get("role") == "user"), default=-1)
+    calls = []
+    for message in ctx.messages[start + 1 : ctx.index]:
+        if message.get("role") != "assistant":
+            continue
+        for call in extract_calls(
+            message,
+            accept_content_json=cfg.accept_content_json,
+            accept_content_compact=cfg.accept_content_compact,
+        ):
+            try:
+                calls.append({"name": call["name"], "arguments": _arguments(call["arguments"])})
+            except ValueError:
+                calls.append({"name": call["name"], "arguments": {"_unreadable": True}})
+    return calls
 
-    Verified only against an expected call: a call that merely fits some tool's schema says nothing about
-    whether it was the right action."""
+
+def _want(expected: dict[str, Any]) -> dict[str, Any]:
+    args = expected.get("arguments") or {}
+    return {"name": expected["name"], "arguments": _arguments(args) if isinstance(args, str) else args}
+
+
+def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
+    """1 when every call is valid against the harness tools and (if given) the request's actions are exactly
+    the expected call.
+
+    The actions of a request are every call its assistant turns made since the user's message: a call
+    beside the right one, or the right one made twice, changes the state of the world, so it fails (a
+    policy cannot buy a pass by trying several). A text turn that ends a tool episode is checked on the
+    same actions. Verified only against an expected call: a call that merely fits some tool's schema says
+    nothing about whether it was the right action."""
     expected = ctx.metadata.get(cfg.expected_field)
     checked = cfg.match_expected and isinstance(expected, dict) and "name" in expected
     calls = extract_calls(
@@ -99,7 +128,10 @@ def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
         accept_content_json=cfg.accept_content_json,
         accept_content_compact=cfg.accept_content_compact,
     )
+    earlier = _earlier_calls(ctx, cfg) if checked else []
     if not calls:
+        if checked and earlier and ctx.is_final:  # the answer after the episode's calls: judge the actions
+            return _match(expected, earlier, {"calls": earlier})
         if cfg.require_call and ctx.is_final and not ctx.specialist_called_tool:
             return ScorerOutcome(0.0, "no tool call", verified=checked)
         return NOT_APPLICABLE
@@ -118,12 +150,19 @@ def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
     if ctx.harness is None:
         info["note"] = "no harness: tool names and argument schemas not checked"
     if checked:
-        want_args = expected.get("arguments") or {}
-        if isinstance(want_args, str):
-            want_args = _arguments(want_args)
-        want = {"name": expected["name"], "arguments": want_args}
-        if want not in parsed:
-            return ScorerOutcome(
-                0.0, f"expected call {json.dumps(want, sort_keys=True)}", info, verified=True
-            )
+        return _match(expected, [*earlier, *parsed], info)
     return ScorerOutcome(1.0, None, info, verified=checked)
+
+
+def _match(expected: dict[str, Any], actions: list[dict[str, Any]], info: dict[str, Any]) -> ScorerOutcome:
+    try:
+        want = _want(expected)
+    except ValueError as exc:
+        return ScorerOutcome(None, f"metadata {exc}")
+    if actions != [want]:
+        got = "; ".join(json.dumps(a, sort_keys=True) for a in actions)
+        return ScorerOutcome(
+            0.0, f"expected call {json.dumps(want, sort_keys=True)} alone; the request made: {got}", info,
+            verified=True,
+        )  # fmt: skip
+    return ScorerOutcome(1.0, None, info, verified=True)

@@ -165,13 +165,16 @@ def score_trace(
 def episode_reward(
     contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec | None, specialist: str
 ) -> float:
-    """What reinforcement learning maximises (``training.reinforcement``): the episode's total under the
-    contract when a verifying scorer checked at least one of its turns, else 0 -- an episode the contract
-    could not check teaches nothing, as in curation (form-only scores never pay)."""
+    """What reinforcement learning maximises (``training.reinforcement``): the score of the episode's final
+    assistant turn under the contract when a verifying scorer checked it, else 0 -- as in curation, what the
+    contract could not check pays nothing. The final turn, not the trace's mean: earlier turns of the
+    episode (a tool call, a composed prefix) cannot lift a wrong ending, and the tool-call scorer judges the
+    last turn on every action the episode took."""
     result = score_trace(contract, trace, harness=harness, specialist=specialist)
-    if result.total is None or not any(t.verified_by for t in result.turns):
+    final = result.turns[-1] if result.turns else None
+    if final is None or final.total is None or not final.verified_by:
         return 0.0
-    return float(result.total)
+    return float(final.total)
 
 
 def corrected_trace(trace: dict[str, Any]) -> dict[str, Any] | None:

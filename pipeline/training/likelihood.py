@@ -102,17 +102,20 @@ def encode_episode(
     *,
     fmt: str,
     tools: list[dict[str, Any]] | None = None,
+    turns: int = 1,
 ) -> tuple[list[int], list[int]]:
-    """``packing.encode_chat`` with every assistant turn labelled, not only the last: an earlier turn's labels
-    come from encoding the conversation up to it, where that encoding is a prefix of the whole one (a
-    prefix-stable template); a turn the template renders differently later stays unlabelled (context).
-    Tool results and user turns are never labelled."""
+    """``packing.encode_chat`` with the last ``turns`` assistant turns labelled, not only the last: the turns
+    an RL episode's policy wrote (a tool call, then an answer after the tool's result), never an exemplar's or
+    a task item's own. An earlier turn's labels come from encoding the conversation up to it, where that
+    encoding is a prefix of the whole one (a prefix-stable template); a turn the template renders
+    differently later stays unlabelled. Tool results and user turns are never labelled. ``ValueError`` as
+    ``encode_chat`` (a template that rewrites the final turn)."""
     from pipeline.packing import IGNORE, encode_chat
 
     ids, labels = encode_chat(tokenizer, messages, max_len, fmt=fmt, tools=tools)
     labels = list(labels)
-    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    for index in turns[:-1]:
+    assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    for index in assistant[-turns:-1] if turns > 1 else []:
         head_ids, head_labels = encode_chat(tokenizer, messages[: index + 1], max_len, fmt=fmt, tools=tools)
         if ids[: len(head_ids)] != head_ids:
             log.debug("assistant turn %d is rendered differently later: left unlabelled", index)

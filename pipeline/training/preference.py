@@ -165,6 +165,8 @@ def train_dpo(
             "seed": seed,
             "fmt": tool_call_format,
             "data": data_hash,
+            "tools": content_hash([r.get("tools") for r in rows]),
+            "max_len": max_len,
             "parent": str(parent_adapter_dir),
         }  # fmt: skip
     )

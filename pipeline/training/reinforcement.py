@@ -16,7 +16,8 @@ Episodes are multi-turn where the task source has an action substrate (``Episode
 calls tools (read by the one reader of replies, ``toolcalls.assistant_message``, in the harness's format) has
 each call executed against the episode's own substrate state, the results are appended as ``tool`` messages,
 and the policy continues, until it answers without a call or ``max_turns`` replies were written. Every
-assistant turn is trained on (``likelihood.encode_episode``); tool results and prompts are context.
+assistant turn the policy wrote is trained on (``likelihood.encode_episode``); tool results, prompts,
+exemplars and the task item's own turns are context.
 
 Why not TRL's ``GRPOTrainer`` (``README.md``, *Training methods*): its multi-turn tool loop reads calls
 through transformers' response templates, a second parser beside the one the contract's scorers and the
@@ -123,7 +124,9 @@ def train_grpo(
         raise RatchetError(
             f"{output_dir.name}: no training prompts to practise on (the task source gave none)"
         )
-    pool_hash = content_hash([item["messages"] for item in episodes.items])
+    pool_hash = content_hash(
+        [{"messages": it["messages"], "metadata": it.get("metadata")} for it in episodes.items]
+    )
     torch.manual_seed(seed)
     random.seed(seed)
     where = where or placement()
@@ -155,6 +158,8 @@ def train_grpo(
             "seed": seed,
             "fmt": tool_call_format,
             "prompts": pool_hash,
+            "max_len": max_len,
+            "max_new_tokens": episodes.max_new_tokens,
             "parent": str(parent_adapter_dir),
         }  # fmt: skip
     )
@@ -193,13 +198,21 @@ def train_grpo(
             advantages = ((groups - groups.mean(dim=1, keepdim=True)) / (spread + ADVANTAGE_EPS)).flatten()
             advantages = torch.where((spread > 0).expand_as(groups).flatten(), advantages, 0.0)
             informative = advantages.nonzero().flatten().tolist()
+            asked = [sum(m.get("role") == "assistant" for m in it["messages"]) for it in batch]
+            written = [  # the assistant turns the policy wrote in each episode (the item's own are context)
+                sum(m.get("role") == "assistant" for m in t["messages"]) - asked[n // settings.group_size]
+                for n, t in enumerate(rolled)
+            ]
             examples, kept = [], []
             for i in informative:
                 view = episodes.view(rolled[i]["messages"])
                 tools = (rolled[i]["metadata"] or {}).get("tools") or episodes.tools
-                ids, labels = encode_episode(
-                    tokenizer, view, max_len, fmt=tool_call_format, tools=tools or None
-                )
+                try:
+                    ids, labels = encode_episode(tokenizer, view, max_len, fmt=tool_call_format,
+                                                 tools=tools or None, turns=written[i])  # fmt: skip
+                except ValueError as exc:  # a reply the template rewrites (e.g. its own </think>): sits out
+                    log.warning("an episode is left out of the update: %s", exc)
+                    continue
                 if any(label != -100 for label in labels):
                     examples.append((ids, labels))
                     kept.append(i)
@@ -234,16 +247,13 @@ def train_grpo(
             if step % every == 0 or step == total:
                 curve.append((step, round(reward_mean, 5)))
             if tracker:
-                asked = [sum(m.get("role") == "assistant" for m in it["messages"]) for it in batch]
-                turns = [sum(m.get("role") == "assistant" for m in t["messages"]) - asked[n // settings.group_size]
-                         for n, t in enumerate(rolled)]  # fmt: skip
                 for key, value in {
                     "reward": reward_mean,
                     "reward_std": float(rewards.std()),
                     "best_in_group": float(groups.max(dim=1).values.mean()),
                     "informative_groups": float((spread > 0).float().mean()),
                     "kl": kl_value,
-                    "assistant_turns": sum(turns) / len(turns),
+                    "assistant_turns": sum(written) / len(written),
                 }.items():
                     tracker.log_metric(key, value, step=step)
             if progress is not None:
