@@ -149,5 +149,7 @@ def test_what_follows_the_final_reply_is_no_part_of_a_pair():
     best.messages.append(after)
     other.messages.append(after)
     (row,), _ = _pairs([best, other])
-    assert [m["role"] for m in row["messages"]] == [m["role"] for m in row["rejected"]] == ["user", "assistant"]
+    assert (
+        [m["role"] for m in row["messages"]] == [m["role"] for m in row["rejected"]] == ["user", "assistant"]
+    )
     assert _replies(row) == ("47", "46")
