@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.candidate import AdvanceConfig, Progress, load_generation, mark_step, step_seed
+from pipeline.principals import LOOP
 
 
 def collect_step(
@@ -80,6 +81,7 @@ def collect_step(
                         source="simulation",
                         generation_id=parent_id,
                         harness_version_id=harness_id,
+                        principal=LOOP,
                     )
                 )
     stored = 0

@@ -159,8 +159,11 @@ class SpecialistScoring(StrictModel):
         dupes = sorted({k for k in keys if keys.count(k) > 1})
         if dupes:
             raise ValueError(f"scorer names must be unique; repeated: {', '.join(dupes)} (set `name:`)")
-        if "total" in keys:
-            raise ValueError("`total` is reserved for the trace total; rename that scorer")
+        for reserved in ("total", "final"):
+            if reserved in keys:
+                raise ValueError(
+                    f"`{reserved}` is reserved for the trace's {reserved} score; rename that scorer"
+                )
         if not any(s.weight > 0 or s.required for s in self.scorers):
             raise ValueError(
                 "every scorer has weight 0 and none is required: the turn score would be undefined"
@@ -202,6 +205,20 @@ class SelectionRules(StrictModel):
         description="For `method: dpo`: a preference pair needs its preferred reply to score at least this much "
         "above the other (both verified, same prompt); an accepted user correction always beats the reply "
         "it corrects.",
+    )
+    max_share_per_principal: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description="No single outside principal (an API key, `anonymous`, the principal an import was "
+        "ingested as) may fill more than this share of a specialist's dataset; its lowest-ranked rows are "
+        "dropped (`over principal share`). The loop's own practice (`ratchet`) and the operator's own "
+        "ingest (`operator`) are not outside principals. 1.0: no cap.",
+    )
+    trusted_corrections: list[str] | None = Field(
+        default=None,
+        description="Principals whose corrections may be learned (when the contract's scorers verify them); "
+        "null: every principal the operator granted the `correct` scope, and the operator's ingest.",
     )
     sources: list[Literal["deployment", "simulation", "import"]] | None = Field(
         default=None,

@@ -7,9 +7,11 @@ its model spec names, SFT examples (``select_examples``), preference pairs (``pi
 nothing (``grpo`` practises online).
 
 Reasons a turn is dropped, in the order they are decided: ``specialist not trained``, ``source not
-selected``, ``unverified`` (no verifying scorer applied, no accepted correction), ``below threshold``,
-``held-out``, ``correction failed the contract``, ``no assistant turn``, ``validation slice``,
-``duplicate``, ``over cap``.
+selected``, ``unverified`` (no verifying scorer checked the final turn, no accepted correction), ``failed
+check`` (a verifying check on the final turn failed, whatever the total), ``below threshold``, ``correction
+failed the contract``, ``reply stopped before its end``, ``held-out``, ``no assistant turn``, ``validation
+slice``, ``duplicate``, ``over principal share`` (``selection.max_share_per_principal``), ``over cap``.
+Every drop is also counted by the principal whose row it was (``Drops.principals``).
 
 The validation slice of a specialist without a task source (``eligibility.in_validation_slice``) is never
 trained on.
@@ -29,6 +31,7 @@ from pipeline.eligibility import (
     Candidate,
     Drops,
     accepted_correction,
+    cap_principal_share,
     excluded,
     in_validation_slice,
     lineage_candidates,
@@ -48,6 +51,18 @@ class CurationResult:
 
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     dropped: Drops = field(default_factory=Drops)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A selected turn on its way into a dataset."""
+
+    score: float
+    order: int  # arrival order: larger is newer
+    messages: list[dict[str, Any]]
+    experience_id: int
+    tools: Any
+    principal: str | None  # whose row it is (the corrector's, for an accepted correction)
 
 
 def _content_key(messages: list[dict[str, Any]]) -> str:
@@ -70,37 +85,47 @@ def select_examples(
     rules = contract.selection
     wanted = set(specialists) if specialists is not None else set(contract.specialists)
     sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
-    best: dict[str, dict[str, tuple[float, int, list[dict[str, Any]], int, Any]]] = {s: {} for s in wanted}
+    best: dict[str, dict[str, _Row]] = {s: {} for s in wanted}
     result = CurationResult()
-    drop = result.dropped.add
+
+    def drop(cand: Candidate, reason: str, principal: str | None = None) -> None:
+        result.dropped.add(cand.specialist, reason, principal=principal or cand.principal)
+
     for order, cand in enumerate(candidates):
         if cand.specialist not in wanted:
-            drop(cand.specialist, "specialist not trained")
+            drop(cand, "specialist not trained")
             continue
         if rules.sources is not None and cand.source not in rules.sources:
-            drop(cand.specialist, "source not selected")
+            drop(cand, "source not selected")
             continue
         messages = accepted_correction(cand, contract)
+        principal = cand.corrector() if messages is not None else cand.principal
         score = cand.correction["total"] if messages is not None and cand.correction else cand.score
         if messages is None:
-            usable = cand.verified and cand.score is not None and cand.score >= rules.min_score
+            usable = cand.passed and cand.score is not None and cand.score >= rules.min_score
             if not usable:
-                why = "unverified" if not cand.verified else "below threshold"
+                why = (
+                    "unverified"
+                    if not cand.verified
+                    else "failed check"
+                    if cand.failed
+                    else "below threshold"
+                )
                 failed = cand.correction and rules.use_corrections
-                drop(cand.specialist, "correction failed the contract" if failed else why)
+                drop(cand, "correction failed the contract" if failed else why)
                 continue
             messages = cand.messages
             if cand.metadata.get("finish_reason") in STOPPED:  # cut off (timeout, disconnect): never whole
-                drop(cand.specialist, "reply stopped before its end")
+                drop(cand, "reply stopped before its end")
                 continue
         if excluded(cand, heldout):
-            drop(cand.specialist, "held-out")
+            drop(cand, "held-out", principal)
             continue
         if not any(m.get("role") == "assistant" for m in messages):
-            drop(cand.specialist, "no assistant turn")
+            drop(cand, "no assistant turn", principal)
             continue
         if cand.specialist in sliced and in_validation_slice(messages, rules.validation_share):
-            drop(cand.specialist, "validation slice")
+            drop(cand, "validation slice", principal)
             continue
         key = (
             prompt_key(messages)
@@ -110,23 +135,30 @@ def select_examples(
             else str(order)
         )
         slot = best[cand.specialist]
+        row = _Row(float(score), order, messages, cand.experience_id, cand.metadata.get("tools"), principal)
         if key in slot:
-            drop(cand.specialist, "duplicate")
-            if slot[key][0] >= score:
+            loser = slot[key] if slot[key].score < row.score else row
+            result.dropped.add(cand.specialist, "duplicate", principal=loser.principal)
+            if loser is row:
                 continue
-        slot[key] = (float(score), order, messages, cand.experience_id, cand.metadata.get("tools"))
+        slot[key] = row
     for specialist, slot in best.items():
         # highest scores first; among equal scores the newest: accumulated experience outgrows the cap, and
         # the newest was earned by the best policy (the problems it newly solves are at the end)
-        chosen = sorted(slot.values(), key=lambda item: (-item[0], -item[1]))
+        ranked = sorted(slot.values(), key=lambda item: (-item.score, -item.order))
         cap = rules.max_examples.get(specialist, rules.max_examples_per_specialist)
-        if cap is not None and len(chosen) > cap:
-            drop(specialist, "over cap", len(chosen) - cap)
-            chosen = chosen[:cap]
-        chosen.sort(key=lambda item: item[1])  # keep arrival order in the dataset
+        chosen, over_share = cap_principal_share(
+            ranked, share=rules.max_share_per_principal, principal_of=lambda r: r.principal, cap=cap
+        )
+        placed = {id(r) for r in chosen} | {id(r) for r in over_share}
+        over_cap = [r for r in ranked if id(r) not in placed]
+        for reason, rows in (("over principal share", over_share), ("over cap", over_cap)):
+            for r in rows:
+                result.dropped.add(specialist, reason, principal=r.principal)
+        chosen.sort(key=lambda item: item.order)  # keep arrival order in the dataset
         result.examples[specialist] = [
-            {"messages": msgs, "score": score, "experience_id": exp_id, "tools": tools}
-            for score, _, msgs, exp_id, tools in chosen
+            {"messages": r.messages, "score": r.score, "experience_id": r.experience_id, "tools": r.tools}
+            for r in chosen
         ]
     return result
 
@@ -180,6 +212,7 @@ def curate_step(
     from pipeline.preferences import preference_pairs
     from pipeline.prompting import render_messages
     from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
+    from pipeline.serving.views import recorded_writer
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -212,6 +245,7 @@ def curate_step(
         )
         dropped.merge(paired.dropped)
         rows_of.update(paired.pairs)
+    by_id = {c.experience_id: c for c in [*candidates, *pair_candidates]}
     out_dir = artifacts_for(config.lineage, number) / "datasets"
     datasets: dict[str, Any] = {}
     with session_scope(engine) as session:
@@ -230,10 +264,12 @@ def curate_step(
                 }
                 continue
             offered = offered_tools(harness, specialist)
-            for ex in examples:  # train on what the model sees under the harness
+            for ex in examples:  # train on what the model sees under the harness, as the server shows it
                 last = max(i for i, m in enumerate(ex["messages"]) if m.get("role") == "assistant")
                 context, answer = ex["messages"][:last], ex["messages"][last]  # nothing after the reply
-                context = render_messages(harness, specialist, context)
+                source = by_id.get(ex["experience_id"])
+                writer = recorded_writer(source.routes, source.metadata) if source is not None else None
+                context = render_messages(harness, specialist, context, writer=writer)
                 ex["messages"] = [*context, answer]
                 if "rejected" in ex:  # the same rendered context for the other reply
                     ex["rejected"] = [*context, ex["rejected"][-1]]
@@ -267,6 +303,10 @@ def curate_step(
                 "sha256": digest,
                 "path": str(out_dir / specialist),
             }
-        outcome = {"datasets": datasets, "dropped": dropped.counts}
+        outcome = {
+            "datasets": datasets,
+            "dropped": dropped.counts,
+            "dropped_by_principal": dropped.principals,
+        }
         mark_step(session, load_generation(session, generation_id), "curate", outcome)
     return outcome

@@ -75,11 +75,12 @@ def make_variants(source: TaskSource, items: list[dict[str, Any]], n: int, seed:
 
 
 def solved(contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec, specialist: str) -> bool:
-    """Whether the contract counts a trace as solved: verified, and at least the selection threshold."""
+    """Whether the contract counts a trace as solved: what it would learn from (its final turn passed a
+    verifying check, none failed, and scores at least the selection threshold)."""
     from pipeline.scoring import score_trace
 
     result = score_trace(contract, trace, harness=harness, specialist=specialist)
-    return result.verified and result.total is not None and result.total >= contract.selection.min_score
+    return result.learnable(contract.selection.min_score)
 
 
 def discover_step(

@@ -1,12 +1,17 @@
 """Eligibility: which scored experience may be learned from -- the one gate every consumer passes through.
 
-A trace may be learned from only when the contract verified it -- a verifying scorer (a reference answer,
-tests that ran, a schema, an expected call, a judge's verdict, a user's rating) checked its final turn --
-or when a user's correction, itself scored under the contract, passed (``accepted_correction``); it must
-never be held out. ``load_candidates`` is where every consumer of experience (curation's SFT examples and
-preference pairs, co-design exemplars, router training data) gets its traces: it applies the held-out
-predicate (``pipeline.heldout``) and counts, per specialist, every turn it leaves out and why (``Drops``).
-``eligible_examples`` is what co-design and the router learn from as it is.
+A trace may be learned from only when its *final* assistant turn (the only one it can teach) passed the
+contract: a verifying scorer (a reference answer, tests that ran, a schema, an expected call, a judge's
+verdict, a counted rating) checked it and none of the verifying checks on it failed (the ``final`` score row;
+the trace's mean over all turns is shown beside it, never selected on) -- or when a trusted user's
+correction, itself scored under the contract, passed the same way (``accepted_correction``); it must never be
+held out. What a client sent without the scope to certify it is kept under ``metadata.claimed`` /
+``feedback.claimed`` and no scorer reads it (``pipeline.principals``), so it can verify nothing.
+``load_candidates`` is where every consumer of experience (curation's SFT examples and preference pairs,
+co-design exemplars, router training data) gets its traces: it applies the held-out predicate
+(``pipeline.heldout``) and counts, per specialist, every turn it leaves out and why (``Drops``).
+``eligible_examples`` is what co-design and the router learn from as it is. ``cap_principal_share`` keeps any
+single outside principal to the contract's share of a dataset.
 
 A specialist whose contract entry names no task source has no validation split of its own: a fixed slice of
 its experience (``selection.validation_share`` of the prompts, by a hash of each prompt, so the same slice
@@ -18,8 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pipeline.principals import INSIDE
+from pipeline.scoring.trace import FINAL
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -27,6 +36,9 @@ if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
     from pipeline.heldout import HeldoutIndex
     from pipeline.registry import Generation
+
+
+UNKNOWN_PRINCIPAL = "(unknown)"  # a served trace stored before principals were recorded
 
 
 @dataclass
@@ -40,25 +52,43 @@ class Candidate:
     metadata: dict[str, Any]
     feedback: Any
     source: str
-    verified: bool = False
+    verified: bool = False  # a verifying scorer checked the final turn
     correction: dict[str, Any] | None = None  # the correction's score (``scoring.corrected_trace``)
     content_hash: str = ""  # the stored trace's content address (what the held-out answer is kept under)
+    failed: list[str] = field(default_factory=list)  # verifying checks that failed on the final turn
+    principal: str | None = None  # who sent the trace (``pipeline.principals``); None: unknown
+    routes: list[Any] = field(default_factory=list)  # per assistant turn, the specialist that served it
+
+    @property
+    def passed(self) -> bool:
+        """Checked by a verifying scorer, and no verifying check on the final turn failed."""
+        return self.verified and not self.failed
+
+    def corrector(self) -> str | None:
+        """Who gave the trace's counted correction (``feedback.correction_by``, else the trace's principal)."""
+        by = self.feedback.get("correction_by") if isinstance(self.feedback, dict) else None
+        return by if isinstance(by, str) else self.principal
 
 
 @dataclass
 class Drops:
-    """How many turns were left out, per specialist and reason."""
+    """How many turns were left out, per specialist and reason, and per principal (whose turn it was) and
+    reason."""
 
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    principals: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def add(self, specialist: str, reason: str, n: int = 1) -> None:
-        per = self.counts.setdefault(specialist, {})
-        per[reason] = per.get(reason, 0) + n
+    def add(self, specialist: str, reason: str, n: int = 1, *, principal: str | None = None) -> None:
+        for table, key in ((self.counts, specialist), (self.principals, principal or UNKNOWN_PRINCIPAL)):
+            per = table.setdefault(key, {})
+            per[reason] = per.get(reason, 0) + n
 
     def merge(self, other: Drops) -> None:
-        for specialist, reasons in other.counts.items():
-            for reason, n in reasons.items():
-                self.add(specialist, reason, n)
+        for mine, theirs in ((self.counts, other.counts), (self.principals, other.principals)):
+            for key, reasons in theirs.items():
+                per = mine.setdefault(key, {})
+                for reason, n in reasons.items():
+                    per[reason] = per.get(reason, 0) + n
 
     def total(self, reason: str) -> int:
         return sum(per.get(reason, 0) for per in self.counts.values())
@@ -98,22 +128,29 @@ def validation_items(
 
 
 def accepted_correction(candidate: Candidate, contract: ContractSpec) -> list[dict[str, Any]] | None:
-    """The corrected conversation when the user's correction passed the contract: its total reaches the
-    selection threshold and no verifying scorer that applied to it failed. A correction is a user's
-    statement of the right answer, so one that passes counts as verified. The correction's own text goes
-    through the held-out predicate too (the stored trace already did): a user could paste a held-out prompt
-    into it."""
+    """The corrected conversation when a trusted user's correction passed the contract: a verifying scorer
+    applied to the corrected final turn, none of the verifying checks on it failed, and its score reaches the
+    selection threshold (text that merely passes form checks is never learned). Only corrections from
+    principals granted the ``correct`` scope are stored where this reads them (others are kept under
+    ``feedback.claimed``), and ``selection.trusted_corrections`` may narrow that further. The correction's own
+    text goes through the held-out predicate too (the stored trace already did): a user could paste a
+    held-out prompt or answer into it."""
     check = candidate.correction
-    if not contract.selection.use_corrections or not check:
+    rules = contract.selection
+    if not rules.use_corrections or not check:
         return None
     total = check.get("total")
-    if total is None or total < contract.selection.min_score or check.get("failed"):
+    if total is None or total < rules.min_score or not check.get("verified_by") or check.get("failed"):
+        return None
+    if rules.trusted_corrections is not None and candidate.corrector() not in rules.trusted_corrections:
         return None
     from pipeline.heldout import heldout_index
     from pipeline.scoring import corrected_trace
 
     corrected = corrected_trace({"messages": candidate.messages, "feedback": candidate.feedback})
-    if corrected is None or heldout_index(contract).exclusion(messages=corrected["messages"][-1:]):
+    if corrected is None or heldout_index(contract).exclusion(
+        messages=corrected["messages"][-1:], metadata=candidate.metadata
+    ):
         return None
     return corrected["messages"]
 
@@ -152,10 +189,11 @@ def load_candidates(
     """The scored traces that may be learned from (optionally of one lineage's generations, of some
     specialists), and the count of those left out per specialist and reason.
 
-    Only traces the contract verified at or above ``min_score`` (default: its selection threshold;
-    preference pairs read every verified trace), or with feedback (a correction may make them eligible), are
-    read in full; none of them held out (the held-out predicate is applied here, for every consumer); none
-    from an evaluation run."""
+    Only traces whose final turn the contract checked at or above ``min_score`` (default: its selection
+    threshold; preference pairs read every checked trace), or with feedback (a correction may make them
+    eligible), are read in full; none of them held out (the held-out predicate is applied here, for every
+    consumer); none from an evaluation run. Whether a check failed on the final turn is each consumer's
+    decision (``Candidate.passed``): a preference pair's other side may have failed one."""
     from sqlalchemy import case, func, or_, select
 
     from pipeline.registry.models import Experience, Generation, Score
@@ -164,7 +202,7 @@ def load_candidates(
     join = (
         (Score.experience_id == Experience.id)
         & (Score.contract_version_id == contract_version_id)
-        & (Score.scorer == "total")
+        & (Score.scorer == FINAL)
     )
     eligible = or_(
         (Score.value >= threshold) & Score.verified.is_(True), Experience.feedback.is_not(None)
@@ -175,7 +213,11 @@ def load_candidates(
         (Score.verified.is_not(True), "unverified"),
         else_="below threshold",
     )
-    counted = select(specialist, reason, func.count()).select_from(Experience).join(Score, join)
+    counted = (
+        select(specialist, reason, Experience.principal, func.count())
+        .select_from(Experience)
+        .join(Score, join)
+    )
     loaded = (
         select(
             Experience.id,
@@ -188,6 +230,8 @@ def load_candidates(
             Experience.meta,
             Experience.feedback,
             Experience.source,
+            Experience.principal,
+            Experience.routes,
         )
         .select_from(Experience)
         .join(Score, join)
@@ -204,8 +248,10 @@ def load_candidates(
             loaded.where(specialist.in_(specialists)),
         )
     drops = Drops()
-    for name, why, n in session.execute(counted.where(~eligible).group_by(specialist, reason)):
-        drops.add(name, why, n)
+    for name, why, who, n in session.execute(
+        counted.where(~eligible).group_by(specialist, reason, Experience.principal)
+    ):
+        drops.add(name, why, n, principal=who)
     out = []
     for row in session.execute(loaded):
         cand = Candidate(
@@ -219,9 +265,12 @@ def load_candidates(
             verified=bool(row.verified),
             correction=(row.details or {}).get("correction"),
             content_hash=row.content_hash,
+            failed=list((row.details or {}).get("failed") or []),
+            principal=row.principal,
+            routes=row.routes if isinstance(row.routes, list) else [],
         )
         if excluded(cand, heldout):
-            drops.add(cand.specialist, "held-out")
+            drops.add(cand.specialist, "held-out", principal=cand.principal)
             continue
         out.append(cand)
     return out, drops
@@ -263,10 +312,47 @@ def eligible_examples(
         corrected = accepted_correction(cand, contract)
         if corrected is not None and cand.correction:
             found = (cand, corrected, float(cand.correction["total"]))
-        elif cand.verified and cand.score is not None and cand.score >= contract.selection.min_score:
+        elif cand.passed and cand.score is not None and cand.score >= contract.selection.min_score:
             found = (cand, cand.messages, float(cand.score))
         else:
             continue
         if (cand.specialist in sliced and in_validation_slice(found[1], share)) == validation:
             out.append(found)
     return out
+
+
+Row = TypeVar("Row")
+
+
+def cap_principal_share(
+    rows: list[Row], *, share: float, principal_of: Callable[[Row], str | None], cap: int | None = None
+) -> tuple[list[Row], list[Row]]:
+    """The best-first ``rows`` kept under the contract's caps: at most ``cap`` rows, and no outside
+    principal (anyone but the loop's own practice and the operator's ingest) holding more than ``share`` of
+    the rows kept. Returns the kept rows (in the given order) and the rows the share rule dropped (each
+    principal's lowest-ranked ones); the rest were left out by ``cap``.
+
+    Dropping rows shrinks the dataset and so every share's allowance: the rule is applied until it holds
+    (each round drops at least one row, so it ends). A dataset whose rows all come from one outside
+    principal ends empty unless ``share`` is 1.0 -- one party alone never decides what is learned."""
+    pool = list(rows)
+    dropped: list[Row] = []
+    while True:
+        kept = pool[:cap] if cap is not None else pool
+        counts: dict[str, int] = {}
+        for row in kept:
+            who = principal_of(row) or UNKNOWN_PRINCIPAL
+            if who not in INSIDE:
+                counts[who] = counts.get(who, 0) + 1
+        allowed = int(share * len(kept) + 1e-9)
+        over = {who: n - allowed for who, n in counts.items() if n > allowed}
+        if not over:
+            return kept, dropped
+        cut: set[int] = set()
+        for i in range(len(kept) - 1, -1, -1):  # each one's lowest-ranked rows first
+            who = principal_of(kept[i]) or UNKNOWN_PRINCIPAL
+            if over.get(who, 0) > 0:
+                over[who] -= 1
+                cut.add(i)
+                dropped.append(kept[i])
+        pool = [row for i, row in enumerate(pool) if i not in cut]

@@ -22,6 +22,8 @@ from typing import Any
 import orjson
 
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.principals import LOOP, OPERATOR
+from pipeline.principals import NAME as PRINCIPAL_NAME
 from pipeline.registry.experience import SOURCES, TraceRow
 
 log = logging.getLogger(__name__)
@@ -241,8 +243,9 @@ def trace_row(
     generation_id: int | None = None,
     harness_version_id: int | None = None,
     completion_id: str | None = None,
+    principal: str | None = None,
 ) -> TraceRow:
-    """Serialise a validated trace canonically and compute its content hash."""
+    """Serialise a validated trace canonically and compute its content hash; ``principal``: who sent it."""
     messages = _dumps(trace["messages"])
     metadata = _dumps(trace.get("metadata") or {})
     feedback = trace.get("feedback")
@@ -267,6 +270,7 @@ def trace_row(
         generation_id=generation_id,
         harness_version_id=harness_version_id,
         completion_id=completion_id,
+        principal=principal,
     )
 
 
@@ -325,6 +329,7 @@ def ingest_file(
     *,
     session_factory: Callable[[], Any],
     source: str = "import",
+    principal: str = OPERATOR,
     generation_id: int | None = None,
     harness_version_id: int | None = None,
     batch_size: int = 2000,
@@ -337,6 +342,11 @@ def ingest_file(
     (same file name and line number, e.g. by a run that was killed) counts as quarantined without a second
     quarantine row. ``session_factory`` returns a context manager yielding a Session (e.g.
     ``session_scope``). ``progress(bytes_done, bytes_total)`` is called after every batch.
+
+    Ingest is the operator's own trusted path: the traces' metadata and feedback count as given (a key's
+    ``certify``, ``rate`` and ``correct`` scopes together). ``principal`` names whose traces they are:
+    ``operator`` (the default: the operator's own) or the outside party they came from (``--principal``),
+    whose share of a specialist's dataset the contract caps (``selection.max_share_per_principal``).
     """
     from pipeline.registry.experience import insert_traces, quarantine_lines, quarantined_line_numbers
 
@@ -346,6 +356,11 @@ def ingest_file(
         raise NotFoundError(f"{path}: {what} (expected a JSONL file of traces)")
     if source not in SOURCES:
         raise RatchetError(f"unknown source {source!r}: expected one of {', '.join(SOURCES)}")
+    if principal == LOOP or not PRINCIPAL_NAME.match(principal):
+        raise RatchetError(
+            f"principal {principal!r}: expected a letter, then letters, digits, _ . - (and not {LOOP!r}, the "
+            "loop's own practice)"
+        )
     # a file name that is not UTF-8 (Linux allows any bytes) is kept with its odd bytes escaped
     source_file = os.fsencode(path).decode("utf-8", errors="backslashreplace")
     total = os.path.getsize(path)
@@ -382,6 +397,7 @@ def ingest_file(
                     source=source,
                     generation_id=generation_id,
                     harness_version_id=harness_version_id,
+                    principal=principal,
                 )
             except TraceError as exc:
                 problem = str(exc)

@@ -4,10 +4,13 @@
 (``eligibility.prompt_key``: the conversation before the final assistant turn, system prompts aside). In a
 group, every distinct reply (the final assistant turn) that the group's best reply -- highest total, then
 newest -- beats by at least ``selection.min_preference_margin`` becomes the *other* side of a pair whose
-*preferred* side is that best reply, when it reaches ``selection.min_score`` (the preferred reply is also
-trained on, with ``sft_weight``). Both replies were verified by the contract: a form-only score never ranks
-anything. An accepted user correction (scored under the contract without its rating, and passed:
-``eligibility.accepted_correction``) is preferred to the reply it corrects, whatever that reply scored.
+*preferred* side is that best reply, when it passed (a verifying check applied to its final turn and none
+failed) and reaches ``selection.min_score`` (the preferred reply is also trained on, with ``sft_weight``).
+Both replies were checked by the contract: a form-only score never ranks anything. Replies are ranked on
+their final turn's score. An accepted user correction (a trusted principal's, scored under the contract
+without its rating, and passed: ``eligibility.accepted_correction``) is a reply of its group like any other,
+and is preferred to the reply it corrects when that reply was itself checked and scored below the selection
+threshold -- never to a reply nothing checked, or to one the contract found right.
 
 Never in a pair: a held-out trace (``eligibility.load_candidates`` applies the shared predicate, and every
 pair's two conversations are checked again, so a correction cannot smuggle a held-out prompt in), a reply the
@@ -17,7 +20,8 @@ largest margins first, newest first among equal ones.
 
 Reasons counted per specialist (``Drops``), besides those of ``load_candidates``: ``unverified``, ``held-out``,
 ``reply stopped before its end``, ``validation slice``, ``no pair within margin`` (a reply no other beats by
-the margin, and that beats none), ``over cap`` (pairs).
+the margin, and that beats none), ``over principal share`` (pairs whose preferred side is an outside
+principal's beyond ``selection.max_share_per_principal``), ``over cap`` (pairs).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class _Reply:
     messages: list[dict[str, Any]]
     experience_id: int
     tools: Any
+    principal: str | None = None  # whose reply it is (the corrector's, for an accepted correction)
+    passed: bool = True  # checked, and no verifying check failed on it (only such a reply is preferred)
 
 
 def _reply_key(messages: list[dict[str, Any]]) -> str:
@@ -81,67 +87,92 @@ def preference_pairs(
     max_pairs: dict[str, int],
 ) -> PairResult:
     """Preference rows per specialist from verified experience (see the module doc)."""
-    from pipeline.eligibility import Drops, accepted_correction, excluded, in_validation_slice, prompt_key
+    from pipeline.eligibility import (
+        Drops,
+        accepted_correction,
+        cap_principal_share,
+        excluded,
+        in_validation_slice,
+        prompt_key,
+    )
     from pipeline.serving.turns import STOPPED
 
     rules = contract.selection
     wanted = set(specialists)
     sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
     drops = Drops()
+
+    def drop(specialist: str, reason: str, principal: str | None, n: int = 1) -> None:
+        drops.add(specialist, reason, n, principal=principal)
+
     groups: dict[tuple[str, str], dict[str, _Reply]] = {}
     corrections: dict[str, list[tuple[float, int, dict[str, Any]]]] = {s: [] for s in wanted}
+
+    def add(group: dict[str, _Reply], reply: _Reply) -> None:
+        key = _reply_key(reply.messages)
+        if key not in group or (reply.score, reply.order) > (group[key].score, group[key].order):
+            group[key] = reply
+
     for order, cand in enumerate(candidates):
         if cand.specialist not in wanted:
             continue
         if rules.sources is not None and cand.source not in rules.sources:
-            drops.add(cand.specialist, "source not selected")
+            drop(cand.specialist, "source not selected", cand.principal)
             continue
         if excluded(cand, heldout):
-            drops.add(cand.specialist, "held-out")
+            drop(cand.specialist, "held-out", cand.principal)
             continue
         if not any(m.get("role") == "assistant" for m in cand.messages):
-            drops.add(cand.specialist, "no assistant turn")
+            drop(cand.specialist, "no assistant turn", cand.principal)
             continue
         if cand.specialist in sliced and in_validation_slice(cand.messages, rules.validation_share):
-            drops.add(cand.specialist, "validation slice")
+            drop(cand.specialist, "validation slice", cand.principal)
             continue
         tools = cand.metadata.get("tools")
         corrected = accepted_correction(cand, contract)
         if corrected is not None and cand.correction:
-            row = {
-                "messages": corrected,
-                "rejected": _with_reply(corrected, _through_final_reply(cand.messages)),
-                "score": float(cand.correction["total"]),
-                "rejected_score": cand.score,
-                "margin": 1.0,  # a user's accepted correction outranks the reply it corrects
-                "experience_id": cand.experience_id,
-                "rejected_experience_id": cand.experience_id,
-                "tools": tools,
-            }
-            corrections[cand.specialist].append((1.0, order, row))
+            fixed = _Reply(float(cand.correction["total"]), order, corrected, cand.experience_id, tools,
+                           cand.corrector())  # fmt: skip
+            wrong = cand.verified and cand.score is not None and cand.score < rules.min_score
+            if wrong and cand.metadata.get("finish_reason") not in STOPPED:
+                row = {
+                    "messages": corrected,
+                    "rejected": _with_reply(corrected, _through_final_reply(cand.messages)),
+                    "score": fixed.score,
+                    "rejected_score": cand.score,
+                    "margin": 1.0,  # a user's accepted correction outranks the checked reply it corrects
+                    "experience_id": cand.experience_id,
+                    "rejected_experience_id": cand.experience_id,
+                    "tools": tools,
+                    "principal": fixed.principal,
+                }
+                corrections[cand.specialist].append((1.0, order, row))
+            else:  # nothing says the reply it replaces was wrong: the correction only joins its group
+                add(groups.setdefault((cand.specialist, prompt_key(corrected)), {}), fixed)
             continue
         if not cand.verified or cand.score is None:
-            drops.add(cand.specialist, "unverified")
+            drop(cand.specialist, "unverified", cand.principal)
             continue
         if cand.metadata.get("finish_reason") in STOPPED:
-            drops.add(cand.specialist, "reply stopped before its end")
+            drop(cand.specialist, "reply stopped before its end", cand.principal)
             continue
         messages = _through_final_reply(cand.messages)
-        group = groups.setdefault((cand.specialist, prompt_key(messages)), {})
-        key = _reply_key(messages)
-        reply = _Reply(float(cand.score), order, messages, cand.experience_id, tools)
-        if key not in group or (reply.score, reply.order) > (group[key].score, group[key].order):
-            group[key] = reply
+        reply = _Reply(
+            float(cand.score), order, messages, cand.experience_id, tools, cand.principal, cand.passed
+        )
+        add(groups.setdefault((cand.specialist, prompt_key(messages)), {}), reply)
     ranked: dict[str, list[tuple[float, int, dict[str, Any]]]] = corrections
     for (specialist, _), group in groups.items():
         replies = sorted(group.values(), key=lambda r: (r.score, r.order), reverse=True)
-        best, paired = replies[0], 0
-        if best.score < rules.min_score:  # the preferred side is also trained on (RPO): it must pass
-            drops.add(specialist, "no pair within margin", len(replies))
+        preferable = [r for r in replies if r.passed and r.score >= rules.min_score]
+        if not preferable:  # the preferred side is also trained on (RPO): it must pass
+            for r in replies:
+                drop(specialist, "no pair within margin", r.principal)
             continue
-        for other in replies[1:]:
+        best, paired = preferable[0], 0
+        for other in replies:
             margin = best.score - other.score
-            if margin < rules.min_preference_margin:
+            if other is best or margin < rules.min_preference_margin:
                 continue
             paired += 1
             row = {
@@ -153,23 +184,31 @@ def preference_pairs(
                 "experience_id": best.experience_id,
                 "rejected_experience_id": other.experience_id,
                 "tools": best.tools or other.tools,
+                "principal": best.principal,
             }
             ranked[specialist].append((margin, max(best.order, other.order), row))
-        unpaired = len(replies) - paired - (1 if paired else 0)
-        if unpaired:
-            drops.add(specialist, "no pair within margin", unpaired)
+        for r in replies:
+            if r is not best and best.score - r.score < rules.min_preference_margin:
+                drop(specialist, "no pair within margin", r.principal)
+        if not paired:
+            drop(specialist, "no pair within margin", best.principal)
     result = PairResult(dropped=drops)
     for specialist in sorted(wanted):
         rows = []
         for _, _, row in sorted(ranked[specialist], key=lambda r: (r[0], r[1]), reverse=True):
             both = [*row["messages"], row["rejected"][-1]]
             if heldout.exclusion(messages=both) is not None:  # a correction's own text is checked here
-                drops.add(specialist, "held-out")
+                drop(specialist, "held-out", row["principal"])
                 continue
             rows.append(row)
-        cap = max_pairs[specialist]
-        if len(rows) > cap:
-            drops.add(specialist, "over cap", len(rows) - cap)
-            rows = rows[:cap]
-        result.pairs[specialist] = rows
+        kept, over_share = cap_principal_share(
+            rows, share=rules.max_share_per_principal, principal_of=lambda r: r["principal"],
+            cap=max_pairs[specialist],
+        )  # fmt: skip
+        placed = {id(r) for r in kept} | {id(r) for r in over_share}
+        for reason, left in (("over principal share", over_share),
+                             ("over cap", [r for r in rows if id(r) not in placed])):  # fmt: skip
+            for r in left:
+                drop(specialist, reason, r["principal"])
+        result.pairs[specialist] = [{k: v for k, v in r.items() if k != "principal"} for r in kept]
     return result

@@ -18,17 +18,20 @@ turn are never dropped (when they alone overflow, the caller decides: serving re
 generation keeps the newest positions). Pure functions: no torch, no tokenizer.
 
 Multi-specialist views (other specialists' turns shown as summaries or hidden) need to know who wrote
-each turn; that is serving's ``build_view``, which applies the same policy with a real token counter.
+each turn (a ``Writer``): serving's ``build_view`` knows from its memory and trims with a real token counter;
+curation knows from a served trace's recorded routes and summaries. Both build the view with ``view_parts``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams, HarnessSpec, SpecialistHarness
+from pipeline.messages import message_text
 from pipeline.toolcalls import call_text
 
 # Per message: a role marker and an end marker (the tiny model's template uses one token for each).
@@ -47,6 +50,10 @@ __all__ = [
     "prompt_chars",
     "render_messages",
     "specialist_harness",
+    "TurnRecord",
+    "ViewParts",
+    "Writer",
+    "view_parts",
 ]
 
 
@@ -77,14 +84,12 @@ def _arguments(raw: Any) -> dict[str, Any]:
 
 def message_chars(message: dict[str, Any], fmt: str = "openai") -> int:
     """Characters a message costs in the prompt (content, tool calls as written in ``fmt``, overhead)."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    content = message_text(message)
     calls = [
         call_text(str(fn.get("name", "")), _arguments(fn.get("arguments")), fmt)
         for fn in ((tc or {}).get("function") or {} for tc in message.get("tool_calls") or [])
     ]
-    return len(content or "") + len("\n".join(calls)) + MESSAGE_OVERHEAD_CHARS
+    return len(content) + len("\n".join(calls)) + MESSAGE_OVERHEAD_CHARS
 
 
 def prompt_chars(messages: Sequence[dict[str, Any]], fmt: str = "openai") -> int:
@@ -125,57 +130,137 @@ def exemplar_messages(harness: HarnessSpec, specialist: str) -> list[list[dict[s
     return out
 
 
-def _flat(message: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the message with OpenAI content parts joined into its text (what a chat template takes)."""
-    out = dict(message)
-    if isinstance(out.get("content"), list):
-        out["content"] = "".join(str(p.get("text", "")) for p in out["content"] if isinstance(p, dict))
+@dataclass(frozen=True)
+class TurnRecord:
+    """Who wrote an assistant message, and its summary (what other specialists may be shown instead)."""
+
+    specialist: str
+    summary: str
+
+
+# Who wrote the assistant message at this index of the conversation: serving's memory of its own turns, or a
+# served trace's recorded routes and summaries; None for a message nobody knows (shown verbatim to all).
+Writer = Callable[[int, Mapping[str, Any]], TurnRecord | None]
+
+
+@dataclass
+class ViewParts:
+    """A specialist's view of a conversation before any budget: its system message, its exemplars, the past
+    turns ``keep_turns`` keeps and the current turn (from the newest user message on)."""
+
+    head: list[dict[str, Any]]
+    exemplars: list[list[dict[str, Any]]]
+    past: list[list[dict[str, Any]]]
+    current: list[dict[str, Any]]
+
+    def assemble(self) -> list[dict[str, Any]]:
+        """The messages in the order the model is given them."""
+        return (
+            self.head
+            + [m for ex in self.exemplars for m in ex]
+            + [m for t in self.past for m in t]
+            + self.current
+        )
+
+
+def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chat template takes of a message: its role, its text (content parts read by the one reader),
+    and its tool calls, tool-call id and name."""
+    content = message.get("content")
+    out: dict[str, Any] = {"role": message["role"], "content": content}
+    if not isinstance(content, (str, type(None))):
+        out["content"] = message_text(message)
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if message.get(key):
+            out[key] = message[key]
     return out
 
 
-def _turns(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    turns: list[list[dict[str, Any]]] = []
-    for m in messages:
+def _turns(messages: list[tuple[int, Mapping[str, Any]]]) -> list[list[tuple[int, Mapping[str, Any]]]]:
+    """Split (index, message) pairs into turns, each starting at a user message."""
+    turns: list[list[tuple[int, Mapping[str, Any]]]] = []
+    for i, m in messages:
         if m.get("role") == "user" or not turns:
             turns.append([])
-        turns[-1].append(m)
+        turns[-1].append((i, m))
     return turns
+
+
+def _apply_policy(
+    turn: list[tuple[int, Mapping[str, Any]]], specialist: str, mode: str, writer: Writer | None
+) -> list[dict[str, Any]]:
+    """A turn as ``specialist`` sees it: another specialist's assistant message verbatim (``full``), as its
+    summary (``summary``) or left out (``hide``) with the tool results of its calls; its own and unknown ones
+    verbatim."""
+    out, dropped_calls = [], set()
+    for i, m in turn:
+        if m.get("role") == "tool" and m.get("tool_call_id") in dropped_calls:
+            continue
+        if m.get("role") == "assistant" and writer is not None:
+            rec = writer(i, m)
+            if rec is not None and rec.specialist != specialist and mode != "full":
+                dropped_calls.update(str(tc.get("id")) for tc in m.get("tool_calls") or [])
+                if mode == "summary":
+                    out.append({"role": "assistant", "content": f"[{rec.specialist}] {rec.summary}"})
+                continue
+        out.append(_clean(m))
+    return out
+
+
+def view_parts(
+    harness: HarnessSpec,
+    specialist: str,
+    conversation: Sequence[Mapping[str, Any]],
+    *,
+    writer: Writer | None = None,
+) -> ViewParts:
+    """The one view of a conversation a specialist is given, in serving (``serving.views.build_view``, with
+    its memory of who wrote each turn) and in training (``curation``, with a served trace's recorded routes
+    and summaries): the harness's system prompt with the client's system and developer messages appended (when
+    ``context.include_system_prompt``; a model never taught system prompts gets none at all), the exemplars,
+    other specialists' turns as ``context.other_specialists`` says (``writer`` tells who wrote each assistant
+    message), and the past turns ``keep_turns`` keeps. A specialist the harness lacks gets no system prompt and
+    no exemplars."""
+    sp = harness.specialists.get(specialist)
+    ctx = harness.context
+    head: list[dict[str, Any]] = []
+    if ctx.include_system_prompt:
+        client = [message_text(m) for m in conversation if m.get("role") in ("system", "developer")]
+        system = "\n\n".join(s for s in [sp.render_system_prompt() if sp else "", *client] if s)
+        head = [{"role": "system", "content": system}] if system else []
+    exemplars = exemplar_messages(harness, specialist) if sp is not None else []
+    rest = [(i, m) for i, m in enumerate(conversation) if m.get("role") not in ("system", "developer")]
+    shown = [_apply_policy(t, specialist, ctx.other_specialists, writer) for t in _turns(rest)]
+    current, past = (shown[-1], shown[:-1]) if shown else ([], [])
+    past = past[len(past) - ctx.keep_turns :] if ctx.keep_turns else []
+    return ViewParts(head, exemplars, past, current)
 
 
 def render_messages(
     harness: HarnessSpec,
     specialist: str,
-    conversation: Sequence[dict[str, Any]],
+    conversation: Sequence[Mapping[str, Any]],
     *,
     chars_per_token: float = 4.0,
+    writer: Writer | None = None,
 ) -> list[dict[str, Any]]:
-    """The messages ``specialist``'s model is given for ``conversation`` (see the module docstring).
+    """The messages ``specialist``'s model is given for ``conversation`` (``view_parts``, see the module
+    docstring for the budget).
 
     ``chars_per_token`` (the contract's ``context_budget.chars_per_token``) converts the token window
     into characters when the harness sets no ``max_context_chars``.
     """
-    sp = specialist_harness(harness, specialist)
-    ctx = harness.context
+    specialist_harness(harness, specialist)  # a specialist the harness lacks is a mistake here
+    parts = view_parts(harness, specialist, conversation, writer=writer)
     fmt = harness.tool_call_format
-    head: list[dict[str, Any]] = []
-    if ctx.include_system_prompt:
-        client = [
-            str(m.get("content") or "") for m in conversation if m.get("role") in ("system", "developer")
-        ]
-        system = "\n\n".join(s for s in [sp.render_system_prompt(), *client] if s)
-        head = [{"role": "system", "content": system}] if system else []
-    turns = _turns([_flat(m) for m in conversation if m.get("role") not in ("system", "developer")])
-    current = turns[-1] if turns else []
-    past = turns[:-1][-ctx.keep_turns :] if ctx.keep_turns else []
-    exemplars = exemplar_messages(harness, specialist)
     budget = prompt_budget_chars(harness, specialist, chars_per_token=chars_per_token)
 
-    def size(parts: list[list[dict[str, Any]]]) -> int:
-        return sum(message_chars(m, fmt) for part in parts for m in part)
+    def size(groups: list[list[dict[str, Any]]]) -> int:
+        return sum(message_chars(m, fmt) for group in groups for m in group)
 
-    fixed = prompt_chars(head + current, fmt)
-    while past and fixed + size(exemplars) + size(past) > budget:
-        past = past[1:]
-    while exemplars and fixed + size(exemplars) > budget:
-        exemplars = exemplars[:-1]
-    return head + [m for ex in exemplars for m in ex] + [m for t in past for m in t] + current
+    fixed = prompt_chars(parts.head + parts.current, fmt)
+    while parts.past and fixed + size(parts.exemplars) + size(parts.past) > budget:
+        parts.past = parts.past[1:]
+    while parts.exemplars and fixed + size(parts.exemplars) > budget:
+        parts.exemplars = parts.exemplars[:-1]
+    return parts.assemble()

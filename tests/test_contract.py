@@ -367,3 +367,21 @@ def test_selection_sources_are_the_registry_sources():
     for bad in ("evaluation", "serve"):
         with pytest.raises(ValueError, match="deployment"):
             SelectionRules(sources=[bad])
+
+
+def test_trusted_principals_apply_only_to_scorers_that_read_a_principals_material():
+    import yaml
+
+    from pipeline.contract import ContractSpec
+
+    spec = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
+    spec["specialists"]["chat"]["scorers"][2]["trusted"] = ["raters"]  # feedback: whose ratings count
+    assert ContractSpec.model_validate(spec).specialists["chat"].scorers[2].trusts("raters")
+    spec["specialists"]["chat"]["scorers"][1]["trusted"] = ["raters"]  # length reads no one's material
+    with pytest.raises(ValueError, match="`trusted` does not apply to length"):
+        ContractSpec.model_validate(spec)
+    for reserved in ("total", "final"):
+        bad = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
+        bad["specialists"]["chat"]["scorers"][1]["name"] = reserved
+        with pytest.raises(ValueError, match=f"`{reserved}` is reserved"):
+            ContractSpec.model_validate(bad)

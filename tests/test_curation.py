@@ -33,6 +33,8 @@ def _cand(i, q, a, score, specialist="chat", verified=True, **kw):
         source=kw.pop("source", "simulation"),
         verified=verified,
         correction=kw.pop("correction", None),
+        failed=kw.pop("failed", []),
+        principal=kw.pop("principal", "ratchet"),  # the loop's own practice unless a test says otherwise
     )
 
 
@@ -135,23 +137,24 @@ def test_corrections_are_learned_only_when_they_pass_the_contract():
         _cand(
             2, "6+7", "14", 0.17, verified=True, feedback={"rating": 1, "correction": "15"}, correction=wrong
         ),
-        # unverified original (no reference), correction accepted by the contract's applicable scorers
+        # attack: a correction no verifying scorer checked (no reference answer: only the length scorer
+        # applied) passes the total but is text nobody verified -- never learned
         _cand(
             3,
             "hi",
             "?",
             0.5,
             verified=False,
-            feedback={"correction": "hello"},
+            feedback={"correction": "EVIL 99"},
             correction={"total": 1.0, "verified_by": [], "failed": []},
         ),
     ]
     result = select_examples(cands, contract=CONTRACT, heldout=HELDOUT)
-    assert _ids(result) == [1, 3]
+    assert _ids(result) == [1]
     assert result.examples["chat"][0]["messages"][-1] == {"role": "assistant", "content": "12"}
-    assert result.dropped.counts["chat"] == {"correction failed the contract": 1}
+    assert result.dropped.counts["chat"] == {"correction failed the contract": 2}
     off = select_examples(cands, contract=_with_selection(use_corrections=False), heldout=HELDOUT)
-    assert _ids(off) == [] and off.dropped.counts["chat"]["below threshold"] == 2
+    assert _ids(off) == [] and off.dropped.counts["chat"] == {"below threshold": 2, "unverified": 1}
 
 
 def test_caps_and_per_specialist_counts():
@@ -231,3 +234,66 @@ def test_a_correction_cannot_smuggle_a_held_out_prompt_into_training():
     result = select_examples([smuggler, honest], contract=CONTRACT, heldout=HELDOUT)
     assert _ids(result) == [31]
     assert all(secret not in json.dumps(e["messages"]) for e in result.examples.get("chat", []))
+
+
+def test_no_single_outside_principal_fills_a_dataset():
+    """Found on main: 2,000 self-certified served turns of one client made up a specialist's whole dataset.
+    Each outside principal (a key, `anonymous`, an import's principal) may fill at most
+    `selection.max_share_per_principal` of it; the loop's own practice and the operator's ingest are not
+    outside. What the cap drops is counted, by principal too."""
+    flood = [_cand(i, f"{i}+1", str(i + 1), 1.0, principal="crm", source="deployment") for i in range(2000)]
+    alone = select_examples(flood, contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(alone) == []  # one party alone never decides what is learned
+    assert alone.dropped.counts["chat"] == {"over principal share": 2000}
+    assert alone.dropped.principals == {"crm": {"over principal share": 2000}}
+    own = [_cand(10_000 + i, f"{i}+2", str(i + 2), 0.9) for i in range(300)]  # the loop's practice
+    others = [_cand(20_000 + i, f"{i}+3", str(i + 3), 0.95, principal="raters", source="deployment")
+              for i in range(50)]  # fmt: skip
+    mixed = select_examples(flood + own + others, contract=CONTRACT, heldout=HELDOUT)
+    kept = mixed.examples["chat"]
+    n = len(kept)
+    by = {
+        p: sum(1 for e in kept if e["experience_id"] // 10_000 == k) for k, p in ((0, "crm"), (2, "raters"))
+    }
+    assert by["crm"] <= 0.25 * n and by["raters"] <= 0.25 * n and by["crm"] > 0
+    assert sum(1 for e in kept if 10_000 <= e["experience_id"] < 20_000) == 300
+    assert mixed.dropped.counts["chat"]["over principal share"] == 2050 - by["crm"] - by["raters"]
+    everyone = select_examples(flood, contract=_with_selection(max_share_per_principal=1.0), heldout=HELDOUT)
+    assert len(_ids(everyone)) == 2000
+
+
+def test_a_verifying_check_that_failed_keeps_a_turn_out_whatever_its_total():
+    """`verified` means a check applied and passed: a final turn with a failed verifying check is never
+    learned, even when other scorers lift its total over the threshold."""
+    cands = [_cand(1, "6+6", "13", 0.9, failed=["exact_match"]), _cand(2, "6+7", "13", 0.9)]
+    result = select_examples(cands, contract=CONTRACT, heldout=HELDOUT)
+    assert _ids(result) == [2] and result.dropped.counts["chat"] == {"failed check": 1}
+
+
+def test_a_contract_may_name_whose_corrections_are_learned():
+    good = {"total": 1.0, "verified_by": ["exact_match"], "failed": []}
+    cands = [
+        _cand(
+            1,
+            "6+6",
+            "11",
+            0.17,
+            feedback={"correction": "12", "correction_by": "editors"},
+            correction=good,
+            failed=["exact_match"],
+        ),  # fmt: skip
+        _cand(
+            2,
+            "6+7",
+            "11",
+            0.17,
+            feedback={"correction": "13", "correction_by": "interns"},
+            correction=good,
+            failed=["exact_match"],
+        ),  # fmt: skip
+    ]
+    everyone = _with_selection(max_share_per_principal=1.0)  # (two correctors alone: no share cap here)
+    assert _ids(select_examples(cands, contract=everyone, heldout=HELDOUT)) == [1, 2]
+    narrowed = _with_selection(trusted_corrections=["editors"], max_share_per_principal=1.0)
+    result = select_examples(cands, contract=narrowed, heldout=HELDOUT)
+    assert _ids(result) == [1] and result.dropped.counts["chat"] == {"correction failed the contract": 1}

@@ -166,3 +166,27 @@ def test_cli_ingest(tmp_path, capsys):
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no such file" in err and "Traceback" not in err
+
+
+def test_ingest_is_the_operators_path_and_names_its_principal(tmp_path, capsys):
+    """`ratchet ingest` stays the operator's own trusted path: traces are stored under `operator`, or under the
+    outside party named with `--principal` (whose share of a dataset the contract caps); the loop's own name
+    is refused."""
+    from pipeline.cli import main
+    from pipeline.registry import get_engine
+
+    mine = _write(tmp_path / "mine.jsonl", [json.dumps(_trace(i)) for i in range(2)])
+    theirs = _write(tmp_path / "theirs.jsonl", [json.dumps(_trace(10 + i)) for i in range(3)])
+    main(["ingest", str(mine)])
+    main(["ingest", str(theirs), "--principal", "crm-export"])
+    with session_scope(get_engine()) as s:
+        counts = dict(
+            s.execute(select(Experience.principal, func.count()).group_by(Experience.principal)).all()
+        )
+    assert counts == {"operator": 2, "crm-export": 3}
+    capsys.readouterr()
+    for name in ("ratchet", "has space", ""):
+        with pytest.raises(SystemExit) as exc:
+            main(["ingest", str(mine), "--principal", name])
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and "principal" in err and len(err.strip().splitlines()) == 1

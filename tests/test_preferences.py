@@ -25,6 +25,8 @@ def _cand(i, q, a, score, *, verified=True, specialist="chat", **kw):
         source=kw.pop("source", "simulation"),
         verified=verified,
         correction=kw.pop("correction", None),
+        failed=kw.pop("failed", []),
+        principal=kw.pop("principal", "ratchet"),  # the loop's own practice unless a test says otherwise
     )
 
 
@@ -72,7 +74,15 @@ def test_only_replies_the_contract_verified_are_ranked():
 def test_an_accepted_correction_beats_the_reply_it_corrects():
     correction = {"total": 1.0, "verified_by": ["exact_match"], "failed": []}
     cands = [
-        _cand(1, "12+35=?", "48", 0.9, feedback={"rating": 1, "correction": "47"}, correction=correction),
+        _cand(
+            1,
+            "12+35=?",
+            "48",
+            0.17,
+            feedback={"rating": 1, "correction": "47"},
+            correction=correction,
+            failed=["exact_match"],
+        ),  # fmt: skip
         _cand(
             2,
             "30+31=?",
@@ -153,3 +163,26 @@ def test_what_follows_the_final_reply_is_no_part_of_a_pair():
         [m["role"] for m in row["messages"]] == [m["role"] for m in row["rejected"]] == ["user", "assistant"]
     )
     assert _replies(row) == ("47", "46")
+
+
+def test_a_correction_never_makes_a_right_or_unchecked_reply_the_rejected_side():
+    """Found on main: an accepted correction became the chosen side and the model's original reply -- even a
+    right one -- the rejected side. Now the replaced reply is rejected only when the contract itself checked it
+    and scored it below the threshold; otherwise the correction only joins its prompt's group."""
+    correction = {"total": 1.0, "verified_by": ["exact_match"], "failed": []}
+    right = _cand(1, "12+35=?", "47", 1.0, feedback={"correction": "47.0"}, correction=correction)
+    unchecked = _cand(2, "hello", "hi there", 0.9, verified=False, feedback={"correction": "47"},
+                      correction=correction)  # fmt: skip
+    rows, _ = _pairs([right, unchecked])
+    assert rows == []
+
+
+def test_an_outside_principal_fills_at_most_its_share_of_the_pairs():
+    cands = []
+    for i in range(40):  # one client's certified turns: a right and a wrong reply per prompt
+        cands.append(_cand(2 * i, f"{i}+{i}=?", str(2 * i), 1.0, principal="crm", source="deployment"))
+        cands.append(
+            _cand(2 * i + 1, f"{i}+{i}=?", str(2 * i + 1), 0.0, principal="crm", source="deployment")
+        )
+    rows, dropped = _pairs(cands)
+    assert rows == [] and dropped["over principal share"] == 40

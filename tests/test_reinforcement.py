@@ -11,6 +11,7 @@ import pytest
 from pipeline.environment import sample_prompts, training_corpus
 from pipeline.modelspec import GrpoSettings, LoraConfig
 from pipeline.packing import IGNORE
+from pipeline.scoring import EpisodeReward
 from pipeline.tasksource import DemoTasks
 from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 from pipeline.training import TrainConfig, train_lora, write_dataset
@@ -29,7 +30,9 @@ def base_dir(tmp_path_factory):
 
 
 def _episodes(items, reward, **kw) -> Episodes:
-    return Episodes(items=items, view=lambda messages: messages, reward=reward, max_new_tokens=32, **kw)
+    """Episodes paid ``reward(trace)`` for their whole length (no turn singled out as the checked one)."""
+    return Episodes(items=items, view=lambda messages: messages, max_new_tokens=32,
+                    reward=lambda trace: EpisodeReward(reward(trace), None), **kw)  # fmt: skip
 
 
 def _reply(trace) -> str:
@@ -175,7 +178,7 @@ def test_grpo_runs_on_a_real_architecture_with_tools(tmp_path):
     task = Episodes(
         items=items,
         view=lambda messages: messages,
-        reward=lambda trace: float(len(_reply(trace)) % 2),
+        reward=lambda trace: EpisodeReward(float(len(_reply(trace)) % 2), None),
         tools=tools,
         reset=lambda item: {},
         act=lambda state, call: (state, {"code": 17}),
@@ -201,3 +204,23 @@ def test_a_substrate_that_fails_on_a_call_answers_with_an_error(small_base, call
     traces = roll_out(model, tok, items, task, GrpoSettings(group_size=2, max_turns=2), fmt="compact", seed=0)
     results = [m["content"] for t in traces for m in t["messages"] if m["role"] == "tool"]
     assert results and all(json.loads(r)["error"].startswith("KeyError") for r in results)
+
+
+def test_the_update_trains_the_turns_the_reward_paid_for_and_none_after():
+    """Found on main: a text turn ending a tool episode was paid by the call before it (a lie after a right
+    `set_timer` earned 1.0) and trained on. The reward now names the checked turn it pays for; the update trains
+    the policy's turns up to it and never the unchecked text after it."""
+    from pipeline.training.reinforcement import paid_turns
+
+    episode = [
+        {"role": "user", "content": "timer 20+27"},
+        {"role": "assistant", "content": "set_timer(minutes=47)"},
+        {"role": "tool", "tool_call_id": "a", "content": "ok"},
+        {"role": "assistant", "content": "I could not set any timer, sorry. Also 2+2=5."},
+    ]
+    kept, turns = paid_turns(episode, EpisodeReward(1.0, 1), asked=0)
+    assert kept == episode[:2] and turns == 1
+    whole, turns = paid_turns(episode, EpisodeReward(0.0, None), asked=0)  # nothing checked: all, at 0 reward
+    assert whole == episode and turns == 2
+    with_item_turn = [{"role": "assistant", "content": "an exemplar"}, *episode]
+    assert paid_turns(with_item_turn, EpisodeReward(1.0, 2), asked=1)[1] == 1

@@ -198,6 +198,7 @@ def add_traces(session, traces: list[dict], *, harness_version_id: int | None = 
                 feedback=t.get("feedback"),
                 routes=t.get("routes", []),
                 source="test",
+                principal="operator",  # the operator's own traces: their metadata counts
                 harness_version_id=harness_version_id,
             )
         )
@@ -356,14 +357,16 @@ def test_stale_rows_are_scored_again_and_history_keeps_what_they_replaced(sessio
     assert first.scored == 2 and first.unverified == 1
     total = {r.experience_id: r for r in session.scalars(select(Score).where(Score.scorer == "total"))}
     assert total[1].verified is True and total[2].verified is False and total[1].specialist == "chat"
-    # a row written before verification was recorded counts as unscored
-    total[2].verified = None
+    final = {r.experience_id: r for r in session.scalars(select(Score).where(Score.scorer == "final"))}
+    assert final[1].verified is True and final[1].value == 1.0 and final[2].verified is False
+    # a trace scored before its final turn's row was recorded counts as unscored
+    session.delete(final[2])
     session.commit()
     again = score_experience(session=session, contract_version_id=cv)
     assert again.scored == 1 and again.already_scored == 1 and again.superseded > 0
     history = session.scalars(select(ScoreHistory)).all()
     assert {h.experience_id for h in history} == {2} and all(
-        "before verification" in h.reason for h in history
+        "before the final turn's row" in h.reason for h in history
     )
     # feedback that arrives later: the trace is scored again, the old rows kept beside the new ones
     session.get(Experience, 2).feedback = {"rating": 5}
@@ -380,7 +383,7 @@ def test_the_rl_reward_is_the_verified_final_turn_and_cannot_be_bought():
     """What GRPO maximises: the final turn's contract score when it was verified. Attacks kept: spraying calls
     over an episode's turns, a right call followed by a wrong one, and an unverifiable ending pay nothing."""
     from pipeline.environment import sample_prompts
-    from pipeline.scoring import episode_reward
+    from pipeline.scoring import EpisodeReward, episode_reward
     from pipeline.toolcalls import to_openai
 
     contract = load_contract(ROOT / "contracts" / "demo.yaml")
@@ -401,12 +404,78 @@ def test_the_rl_reward_is_the_verified_final_turn_and_cannot_be_bought():
         trace = {"messages": [*item["messages"], *turns], "metadata": item["metadata"], "feedback": None}
         return episode_reward(contract, trace, harness=HARNESS, specialist="agent")
 
-    assert reward(calls(minutes)) == 1.0
-    assert reward(calls(minutes), result, {"role": "assistant", "content": "Done."}) == 1.0
-    assert reward(calls(minutes - 1, minutes, minutes + 1)) == 0.0  # several at once
-    assert reward(calls(minutes - 1), result, calls(minutes)) == 0.0  # one per turn
-    assert reward(calls(minutes), result, calls(minutes + 1)) == 0.0  # right, then wrong
-    assert reward(calls(minutes), result, calls(minutes)) == 0.0  # right twice: the timer set twice
+    call_turn = len(item["messages"])
+    assert reward(calls(minutes)) == EpisodeReward(1.0, call_turn)
+    # the verdict on the call pays for the call turn; the text after it is checked by nothing and never paid
+    lie = {"role": "assistant", "content": "I could not set any timer, sorry. Also 2+2=5."}
+    assert reward(calls(minutes), result, lie) == EpisodeReward(1.0, call_turn)
+    assert reward(calls(minutes - 1, minutes, minutes + 1)).value == 0.0  # several at once
+    assert reward(calls(minutes - 1), result, calls(minutes)).value == 0.0  # one per turn
+    assert reward(calls(minutes), result, calls(minutes + 1)).value == 0.0  # right, then wrong
+    assert reward(calls(minutes), result, calls(minutes)).value == 0.0  # right twice: the timer set twice
     chat = sample_prompts("chat", 1, seed=3)[0]
     unchecked = {"messages": [*chat["messages"], {"role": "assistant", "content": "47"}], "metadata": {}}
-    assert episode_reward(contract, unchecked, harness=HARNESS, specialist="chat") == 0.0  # length alone
+    assert episode_reward(contract, unchecked, harness=HARNESS, specialist="chat") == EpisodeReward(0.0, None)
+
+
+# ---- what may be learned: the final turn, its own checks, trusted material only (issue 21) -----------------
+def test_a_multi_turn_trace_is_selected_on_its_final_turn_not_its_mean():
+    """Found on main: four earlier turns scored by `length` alone and a wrong final `99` (expected 84) made a
+    trace total of 0.833, above the 0.8 threshold, and "verified" meant a check applied, not passed."""
+    messages = []
+    for i in range(4):
+        messages += [{"role": "user", "content": f"say hi {i}"}, {"role": "assistant", "content": "hi"}]
+    messages += [{"role": "user", "content": "40+44=?"}, {"role": "assistant", "content": "99"}]
+    trace = {"messages": messages, "metadata": {"specialist": "chat", "expected": "84"}, "feedback": None}
+    result = score_trace(DEMO, trace, harness=HARNESS)
+    assert result.total > DEMO.selection.min_score  # the mean the old selection read
+    assert result.final.total < DEMO.selection.min_score
+    assert result.final.verified_by == ["exact_match"] and result.final.failed_checks == ["exact_match"]
+    assert not result.final_passed
+
+
+def test_a_text_turn_after_tool_calls_is_not_verified_by_them():
+    """Found on main: "I could not set any timer, sorry. Also 2+2=5." after a right `set_timer(minutes=47)`
+    scored 1.0 and was an SFT target: the call's verdict was lent to the text."""
+    from pipeline.toolcalls import to_openai
+
+    call = {"role": "assistant", "content": None,
+            "tool_calls": to_openai([{"name": "set_timer", "arguments": {"minutes": 47}}])}  # fmt: skip
+    trace = {
+        "messages": [
+            {"role": "user", "content": "timer 20+27"},
+            call,
+            {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": "timer set"},
+            {"role": "assistant", "content": "I could not set any timer, sorry. Also 2+2=5."},
+        ],
+        "metadata": {
+            "specialist": "agent",
+            "expected_call": {"name": "set_timer", "arguments": {"minutes": 47}},
+        },
+        "feedback": None,
+    }
+    result = score_trace(DEMO, trace, harness=HARNESS)
+    assert result.turns[0].verified_by == ["tool_call"] and result.turns[0].total == 1.0
+    assert result.final.verified_by == [] and not result.final_passed
+
+
+def test_metadata_and_ratings_count_only_from_principals_the_contract_trusts():
+    """The trace's principal certified its metadata; a rating counts for its rater. A contract may name whom
+    each verifying scorer trusts; the loop's own practice is always trusted, an unknown principal never."""
+    narrowed = DEMO.model_copy(deep=True)
+    chat_scorers = narrowed.specialists["chat"].scorers
+    chat_scorers[0].trusted = ["crm"]  # exact_match
+    chat_scorers[2].trusted = ["raters"]  # feedback
+    base = chat("84", "84", metadata={"specialist": "chat"})
+    for principal, checked in (("crm", True), ("ratchet", True), ("other", False), (None, False)):
+        result = score_trace(narrowed, {**base, "principal": principal}, harness=HARNESS)
+        assert ("exact_match" in result.final.verified_by) is checked, principal
+    rated = {**chat("hello"), "principal": "other", "feedback": {"rating": 5, "rating_by": "raters"}}
+    assert score_trace(narrowed, rated, harness=HARNESS).final.verified_by == ["feedback"]
+    rated["feedback"] = {"rating": 5, "rating_by": "anonymous"}
+    assert score_trace(narrowed, rated, harness=HARNESS).final.verified_by == []
+    # what a client sent without the scope sits under `claimed`: no scorer reads it
+    claimed = {**chat("99"), "principal": "anonymous", "metadata": {"claimed": {"expected": "99"}},
+               "feedback": {"claimed": {"rating": 5, "rating_by": "anonymous", "correction": "99"}}}  # fmt: skip
+    result = score_trace(DEMO, claimed, harness=HARNESS)
+    assert result.final.verified_by == [] and result.correction is None

@@ -29,7 +29,7 @@ __all__ = ["app", "main"]
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app`` (each imports nothing heavy at load).
-    from pipeline.cli import advance, contract, core, dashboard, serve, up  # noqa: F401
+    from pipeline.cli import advance, contract, core, dashboard, keys, serve, up  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,6 +48,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "curation": {
                         "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
                         "dropped": curate.get("dropped") or {},
+                        "dropped_by_principal": curate.get("dropped_by_principal") or {},
                     },
                     "discovery": discovery_summary(steps.get("discover"), ev.get("discovery")),
                     "decision": g.decision,

@@ -201,14 +201,16 @@ def score(
             )
     console.print(table)
     threshold = contract.selection.min_score
-    totals = Table(title=f"per specialist (learnable: verified and total >= {threshold:g})")
+    totals = Table(
+        title=f"per specialist (learnable: final turn verified, no check failed, >= {threshold:g})"
+    )
     for col in ("specialist", "traces", "scored", "mean total", "verified", "learnable"):
         totals.add_column(col, justify="left" if col == "specialist" else "right")
     for s in stats:
         if s.scorer == TOTAL:
             mine = [r for r in results if r.specialist == s.specialist]
             verified = [r for r in mine if r.verified]
-            learnable = sum(1 for r in verified if r.total is not None and r.total >= threshold)
+            learnable = sum(1 for r in verified if r.learnable(threshold))
             totals.add_row(
                 s.specialist, str(len(mine)), str(s.n), _fmt(s.mean), str(len(verified)), str(learnable)
             )

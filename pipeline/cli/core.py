@@ -9,6 +9,7 @@ import typer
 
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
+from pipeline.principals import OPERATOR
 
 db_app = typer.Typer(
     help="Create, upgrade or downgrade the registry's schema (Alembic migrations).", no_args_is_help=True
@@ -86,8 +87,16 @@ def ingest(
     ] = None,
     lineage: Annotated[str, typer.Option(help="Lineage of --generation.")] = "main",
     batch_size: Annotated[int, typer.Option(min=1, help="Rows per insert batch.")] = 2000,
+    principal: Annotated[
+        str,
+        typer.Option(
+            help="Whose traces these are: `operator` (your own) or the outside party they came from, whose "
+            "share of a dataset the contract caps (selection.max_share_per_principal)."
+        ),
+    ] = OPERATOR,
 ) -> None:
-    """Stream traces into the registry; malformed lines are quarantined with their line number and reason."""
+    """Stream traces into the registry; malformed lines are quarantined with their line number and reason.
+    Ingest is the operator's trusted path: the traces' metadata, ratings and corrections count as given."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from pipeline.experience import ingest_file
@@ -118,6 +127,7 @@ def ingest(
                 path,
                 session_factory=lambda: session_scope(engine),
                 source=source,
+                principal=principal,
                 generation_id=gen_id,
                 harness_version_id=harness_id,
                 batch_size=batch_size,

@@ -69,6 +69,13 @@ def serve(
             min=0, help="Adapters attached at once; the others are attached on demand (LRU). 0: all."
         ),
     ] = C.max_loaded_adapters,
+    allow_anonymous: Annotated[
+        bool,
+        typer.Option(
+            help="Serve requests without a key (as `anonymous`, chat scope only) even when keys exist. "
+            "Without any key they are served anyway, on loopback only."
+        ),
+    ] = C.allow_anonymous,
     expose_adapters: Annotated[
         bool,
         typer.Option(
@@ -87,6 +94,7 @@ def serve(
     settings.ensure_home()
     if engine not in ("embedded", "external"):
         raise RatchetError(f"--engine must be `embedded` or `external`, not {engine!r}")
+    refuse_open_host(host, api_key=settings.api_key, registry_url=settings.registry_url)
     config = C(
         registry_url=settings.registry_url,
         lineage=lineage,
@@ -99,6 +107,7 @@ def serve(
         max_wait_ms=max_wait_ms,
         poll_seconds=poll_seconds,
         api_key=settings.api_key,
+        allow_anonymous=allow_anonymous,
         device=settings.device,
         threads=threads,
         max_body_bytes=max_body_bytes,
@@ -119,9 +128,11 @@ def serve(
             plan, config, MicroBatchScheduler(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
         )
         names = engine_model_names(config, served.specialists, plan.number)
+        from pipeline.serving.access import Access
+
         web = create_adapter_app(
             served.engine,  # type: ignore[arg-type]
-            api_key=settings.api_key,
+            access=Access(db=get_engine(config.registry_url), api_key=settings.api_key),
             model_names={name: s for s, name in names.items()},
             max_body_bytes=max_body_bytes,
         )
@@ -132,3 +143,31 @@ def serve(
         web = create_app(config)
         typer.echo(f"serving {lineage} {generation} on http://{host}:{port}/v1 (model `ratchet`)")
     uvicorn.run(web, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+
+
+def refuse_open_host(host: str, *, api_key: str | None, registry_url: str) -> None:
+    """Refuse to serve on a host other than loopback while no key exists: every client of the network
+    could then chat anonymously, and nobody could be told apart."""
+    if is_loopback(host) or api_key:
+        return
+    from pipeline.registry import count_active_keys, get_engine, session_scope
+
+    with session_scope(get_engine(registry_url)) as session:
+        if count_active_keys(session=session):
+            return
+    raise RatchetError(
+        f"refusing to serve on {host} without an API key: create one (ratchet keys create --name NAME "
+        "--scope chat) or set RATCHET_API_KEY, or serve on 127.0.0.1"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -13,6 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.principals import OPERATOR
 from pipeline.registry.models import Experience, Quarantine, UTCDateTime, sqlite_timestamp, utcnow
 from pipeline.registry.versions import audit
 
@@ -31,6 +32,7 @@ RAW_EXPERIENCE = _raw = Table(
     Column("routes", Text),
     Column("specialist", String(100)),
     Column("source", String(32)),
+    Column("principal", String(100)),
     Column("generation_id", Integer),
     Column("harness_version_id", Integer),
     Column("created_at", UTCDateTime),
@@ -39,7 +41,7 @@ RAW_EXPERIENCE = _raw = Table(
 # The exact statement bulk ingest sends on SQLite (bench/ingest.py times the same one bare).
 SQLITE_INSERT = (
     "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist, "
-    "source, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+    "source, principal, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
     "ON CONFLICT (content_hash) DO NOTHING"
 )
 
@@ -60,6 +62,7 @@ class TraceRow:
     generation_id: int | None = None
     harness_version_id: int | None = None
     completion_id: str | None = None
+    principal: str | None = None  # who sent it (``pipeline.principals``)
 
 
 def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any, ...]]:
@@ -75,6 +78,7 @@ def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any
             r.routes,
             r.specialist,
             r.source,
+            r.principal,
             r.generation_id,
             r.harness_version_id,
             stamp,
@@ -112,6 +116,7 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
             "routes": r.routes,
             "specialist": r.specialist,
             "source": r.source,
+            "principal": r.principal,
             "generation_id": r.generation_id,
             "harness_version_id": r.harness_version_id,
             "created_at": created,
@@ -154,27 +159,41 @@ def attach_feedback(
     completion_id: str,
     rating: float | None = None,
     correction: str | None = None,
-    actor: str = "user",
-) -> Experience:
-    """Attach a rating and/or a corrected answer to the served turn with ``completion_id``."""
+    principal: str = OPERATOR,
+    may_rate: bool = True,
+    may_correct: bool = True,
+) -> tuple[Experience, dict[str, bool]]:
+    """Attach a rating and/or a corrected answer from ``principal`` to the served turn with ``completion_id``.
+
+    What the principal may make count (``may_rate``: the ``rate`` scope, ``may_correct``: ``correct``) is
+    stored at the top of the trace's feedback with who gave it (``rating`` + ``rating_by``, ``correction`` +
+    ``correction_by``), where the contract's scorers read it; the rest is kept under ``feedback.claimed``, shown
+    and never scored. Returns the row and, per field sent, whether it counts."""
     if rating is None and correction is None:
         raise RatchetError("feedback needs a rating, a correction, or both")
     row = session.scalar(select(Experience).where(Experience.completion_id == completion_id))
     if row is None:
         raise NotFoundError(f"no served completion with id {completion_id!r}")
     feedback: dict[str, Any] = dict(row.feedback) if isinstance(row.feedback, dict) else {}
-    if rating is not None:
-        feedback["rating"] = rating
-    if correction is not None:
-        feedback["correction"] = correction
+    claimed: dict[str, Any] = dict(feedback.get("claimed") or {})
+    counted: dict[str, bool] = {}
+    for field, value, allowed in (("rating", rating, may_rate), ("correction", correction, may_correct)):
+        if value is None:
+            continue
+        target = feedback if allowed else claimed
+        target[field], target[f"{field}_by"] = value, principal
+        counted[field] = allowed
+    if claimed:
+        feedback["claimed"] = claimed
     row.feedback = feedback
     session.flush()
     audit(
         session=session,
-        actor=actor,
+        actor=principal,
         entity="experience",
         entity_id=row.id,
         action="feedback",
-        details={"completion_id": completion_id, "rating": rating, "has_correction": correction is not None},
-    )
-    return row
+        details={"completion_id": completion_id, "rating": rating, "has_correction": correction is not None,
+                 "counted": counted},
+    )  # fmt: skip
+    return row, counted

@@ -261,6 +261,7 @@ class Experience(Base):
         Index("ix_experience_specialist_id", "specialist", "id"),
         Index("ix_experience_source_id", "source", "id"),
         Index("ix_experience_generation_id_id", "generation_id", "id"),
+        Index("ix_experience_principal_id", "principal", "id"),
     )
     id: Mapped[int] = mapped_column(primary_key=True)
     content_hash: Mapped[str] = mapped_column(String(64), unique=True)
@@ -271,6 +272,9 @@ class Experience(Base):
     routes: Mapped[list] = mapped_column(JSONText, default=list)
     specialist: Mapped[str | None] = mapped_column(String(100), index=True)
     source: Mapped[str] = mapped_column(String(32), index=True)
+    # who sent it (``pipeline.principals``): an API key's name, ``anonymous``, ``operator``, ``ratchet``;
+    # NULL for served traces stored before principals were recorded
+    principal: Mapped[str | None] = mapped_column(String(100))
     generation_id: Mapped[int | None] = mapped_column(ForeignKey("generations.id"), index=True)
     harness_version_id: Mapped[int | None] = mapped_column(ForeignKey("harness_versions.id"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
@@ -383,6 +387,18 @@ class EvaluationItem(Base):
     candidate_answer: Mapped[dict | None] = mapped_column(JSONText)
     parent_value: Mapped[float] = mapped_column(Float)
     candidate_value: Mapped[float] = mapped_column(Float)
+
+
+class ApiKey(Base):
+    """An API key of ``ratchet serve``: its name (the principal), scopes and sha256; never its value."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    key_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list] = mapped_column(JSONText)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class AuditLog(Base):

@@ -7,6 +7,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.messages import message_text
+
+__all__ = ["NOT_APPLICABLE", "ScorerOutcome", "TurnContext", "message_text"]
+
 if TYPE_CHECKING:
     from pipeline.harness import HarnessSpec
 
@@ -41,6 +45,11 @@ class TurnContext:
     harness: HarnessSpec | None = None
     is_final: bool = False
     specialist_called_tool: bool = False
+    principal: str | None = None  # who certified the trace's metadata (``pipeline.principals``)
+
+    def certified(self, cfg: Any, key: str) -> Any:
+        """``metadata[key]`` when the principal that certified it is one ``cfg`` trusts, else None."""
+        return self.metadata.get(key) if cfg.trusts(self.principal) else None
 
     @property
     def message(self) -> dict[str, Any]:
@@ -59,18 +68,6 @@ class TurnContext:
             if msg.get("role") == "user":
                 return message_text(msg)
         return ""
-
-
-def message_text(message: dict[str, Any]) -> str:
-    """The text of a message; OpenAI content-part lists are joined."""
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
 
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)

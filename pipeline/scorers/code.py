@@ -282,7 +282,7 @@ _RESULTS_MAX = 200_000
 def score_python_tests(cfg: PythonTestsScorer, ctx: TurnContext) -> ScorerOutcome:
     """Fraction of tests passed (or 1/0 without partial credit); not applicable when the trace has no tests.
     The value verifies the outcome: the tests ran."""
-    tests = ctx.metadata.get(cfg.tests_field)
+    tests = ctx.certified(cfg, cfg.tests_field)
     io = isinstance(tests, list)
     if io:
         if not tests or not all(isinstance(c, dict) and "stdout" in c for c in tests):

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from pipeline.principals import LOOP
+
 NAME_RE = r"^[A-Za-z][A-Za-z0-9_.-]*$"
 
 
@@ -88,6 +90,28 @@ class ScorerBase(StrictModel):
         description="`final`: only the trace's last assistant turn; `each`: every assistant turn of the "
         "specialist. Default depends on the kind (outcome checks: final; style checks: each).",
     )
+    trusted: list[str] | None = Field(
+        default=None,
+        description="Principals whose material this scorer may verify with: the rater of a `feedback` rating; "
+        "for scorers that read the trace's metadata (`exact_match`, `json_schema` without an inline schema, "
+        "`python_tests`, `tool_call`), the principal that certified it. Material of anyone else does not "
+        "apply. null: every principal the operator granted the scope (`rate`, `certify`) and the operator's "
+        "ingest. The loop's own practice (`ratchet`) is always trusted.",
+    )
+
+    @model_validator(mode="after")
+    def _trusted_applies(self) -> ScorerBase:
+        if self.trusted is not None and self.kind in ("length", "regex", "judge"):  # type: ignore[attr-defined]
+            raise ValueError(f"`trusted` does not apply to {self.kind}: it reads no principal's material")  # type: ignore[attr-defined]
+        return self
+
+    def trusts(self, principal: str | None) -> bool:
+        """Whether material from ``principal`` may verify under this scorer (None: nobody known)."""
+        if principal == LOOP:
+            return True
+        if principal is None:
+            return False
+        return self.trusted is None or principal in self.trusted
 
     @property
     def key(self) -> str:

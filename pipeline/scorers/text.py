@@ -46,9 +46,9 @@ def _as_number(text: str) -> float | None:
 
 def score_exact_match(cfg: ExactMatchScorer, ctx: TurnContext) -> ScorerOutcome:
     """1 when the answer equals (or contains) one of the expected answers after normalisation."""
-    if cfg.field not in ctx.metadata or ctx.metadata[cfg.field] is None:
+    expected = ctx.certified(cfg, cfg.field)
+    if expected is None:
         return NOT_APPLICABLE
-    expected = ctx.metadata[cfg.field]
     options = expected if isinstance(expected, list) else [expected]
     answer = normalise(ctx.text, cfg)
     answer_num = _as_number(answer) if cfg.numeric else None
@@ -82,7 +82,7 @@ def score_json_schema(cfg: JsonSchemaScorer, ctx: TurnContext) -> ScorerOutcome:
 
     if ctx.message.get("tool_calls") and not ctx.text.strip():
         return NOT_APPLICABLE
-    schema: Any = cfg.json_schema if cfg.json_schema is not None else ctx.metadata.get(cfg.schema_field)
+    schema: Any = cfg.json_schema if cfg.json_schema is not None else ctx.certified(cfg, cfg.schema_field)
     try:
         data = parse_json_content(ctx.text)
     except ValueError as exc:
@@ -132,10 +132,20 @@ def feedback_rating(feedback: Any) -> float | None:
     return None
 
 
+def feedback_rater(feedback: Any, principal: str | None) -> str | None:
+    """Who gave a trace's counted rating: ``feedback.rating_by`` (served feedback), else the trace's principal
+    (a rating that came with the trace, e.g. through ``ratchet ingest``)."""
+    by = feedback.get("rating_by") if isinstance(feedback, dict) else None
+    return by if isinstance(by, str) else principal
+
+
 def score_feedback(cfg: FeedbackScorer, ctx: TurnContext) -> ScorerOutcome:
-    """The rating mapped from [min_rating, max_rating] to [0, 1] (clamped); None without feedback."""
+    """The rating mapped from [min_rating, max_rating] to [0, 1] (clamped); None without a counted rating
+    (ratings from principals without the ``rate`` scope are kept under ``feedback.claimed`` and never read
+    here) or from a rater the contract does not trust (``trusted``)."""
     rating = feedback_rating(ctx.feedback)
-    if rating is None:
+    rater = feedback_rater(ctx.feedback, ctx.principal)
+    if rating is None or not cfg.trusts(rater):
         return NOT_APPLICABLE
     value = (rating - cfg.min_rating) / (cfg.max_rating - cfg.min_rating)
-    return ScorerOutcome(min(1.0, max(0.0, value)), info={"rating": rating}, verified=True)
+    return ScorerOutcome(min(1.0, max(0.0, value)), info={"rating": rating, "by": rater}, verified=True)

@@ -118,10 +118,11 @@ def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
 
     The actions of a request are every call its assistant turns made since the user's message: a call
     beside the right one, or the right one made twice, changes the state of the world, so it fails (a
-    policy cannot buy a pass by trying several). A text turn that ends a tool episode is checked on the
-    same actions. Verified only against an expected call: a call that merely fits some tool's schema says
-    nothing about whether it was the right action."""
-    expected = ctx.metadata.get(cfg.expected_field)
+    policy cannot buy a pass by trying several). The verdict belongs to the turn that made the calls: a text
+    turn after them is not checked by this scorer (only a scorer of its own content can verify what it
+    says). Verified only against an expected call the trace's certifier vouched for: a call that merely fits
+    some tool's schema says nothing about whether it was the right action."""
+    expected = ctx.certified(cfg, cfg.expected_field)
     checked = cfg.match_expected and isinstance(expected, dict) and "name" in expected
     calls = extract_calls(
         ctx.message,
@@ -130,8 +131,6 @@ def score_tool_call(cfg: ToolCallScorer, ctx: TurnContext) -> ScorerOutcome:
     )
     earlier = _earlier_calls(ctx, cfg) if checked else []
     if not calls:
-        if checked and earlier and ctx.is_final:  # the answer after the episode's calls: judge the actions
-            return _match(expected, earlier, {"calls": earlier})
         if cfg.require_call and ctx.is_final and not ctx.specialist_called_tool:
             return ScorerOutcome(0.0, "no tool call", verified=checked)
         return NOT_APPLICABLE

@@ -3,13 +3,16 @@
 
 from pipeline.scoring.store import ScoreRunResult, rescore_experience, score_experience, score_step
 from pipeline.scoring.trace import (
+    FINAL,
     TOTAL,
+    EpisodeReward,
     ScorerStats,
     TraceScoreResult,
     TurnScore,
     aggregate_turn,
     corrected_trace,
     episode_reward,
+    final_details,
     score_trace,
     score_traces,
     summarise_results,
@@ -18,7 +21,9 @@ from pipeline.scoring.trace import (
 )
 
 __all__ = [
+    "FINAL",
     "TOTAL",
+    "EpisodeReward",
     "ScoreRunResult",
     "ScorerStats",
     "TraceScoreResult",
@@ -26,6 +31,7 @@ __all__ = [
     "aggregate_turn",
     "corrected_trace",
     "episode_reward",
+    "final_details",
     "rescore_experience",
     "score_experience",
     "score_step",

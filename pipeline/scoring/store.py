@@ -1,7 +1,9 @@
 """The scoring step: every trace in the registry scored under a contract version, in resumable batches.
 
 ``score_experience`` scores what has no current score under a version and stores one ``Score`` row per
-scorer plus a ``total`` row (its ``verified`` says whether the trace may be learned from);
+scorer, a ``total`` row (the mean over the trace's scored turns) and a ``final`` row (the final assistant
+turn: its score, ``verified`` when a verifying scorer checked it, and the checks that failed on it -- what
+decides whether the trace may be learned from);
 ``rescore_experience`` replaces the scores of given traces (feedback that arrived later). Replaced rows
 move to ``score_history``: nothing scored is lost.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.harness import HarnessSpec
-from pipeline.scoring.trace import TOTAL, score_trace, total_details
+from pipeline.scoring.trace import FINAL, TOTAL, final_details, score_trace, total_details
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -41,7 +43,7 @@ class ScoreRunResult:
     by_specialist: dict[str, int] = field(default_factory=dict)
 
 
-_COLUMNS = ("id", "messages", "meta", "feedback", "routes", "specialist", "harness_version_id")
+_COLUMNS = ("id", "messages", "meta", "feedback", "routes", "specialist", "harness_version_id", "principal")
 
 
 class _Batches:
@@ -91,6 +93,7 @@ class _Batches:
                 "metadata": meta,
                 "feedback": r.feedback,
                 "routes": r.routes,
+                "principal": r.principal,  # who certified its metadata (None: nobody known)
             }
             jobs.append((r.id, trace, self.harness_for(r.harness_version_id)))
         with CLOCK.measure("score"):
@@ -129,6 +132,17 @@ class _Batches:
                     res.specialist,
                 )
             )
+            new_rows.append(
+                ScoreRow(
+                    exp_id,
+                    self.contract_version_id,
+                    FINAL,
+                    final.total if final is not None else None,
+                    final_details(res),
+                    res.verified,
+                    res.specialist,
+                )
+            )
             result.scored += 1
             result.errors += res.errors
             result.unscorable += res.total is None
@@ -150,8 +164,7 @@ def score_experience(
 ) -> ScoreRunResult:
     """Score every trace without a current score under ``contract_version_id``.
 
-    A trace scored before verification was recorded (its ``total`` row has no ``verified``) counts as
-    unscored. Streams the ``experience`` table by id in batches of ``batch_size`` (committing after each,
+    A trace scored before its final turn's row was recorded (no ``final`` row) counts as unscored. Streams the ``experience`` table by id in batches of ``batch_size`` (committing after each,
     so an interrupted run resumes where it stopped), and writes one ``Score`` row per scorer plus a
     ``total`` row. Scores under other contract versions are untouched. ``rescore=True`` scores every trace
     again. Replaced rows are kept in ``score_history``. Each trace is scored with the harness version it
@@ -167,15 +180,16 @@ def score_experience(
     current = exists().where(
         Score.experience_id == Experience.id,
         Score.contract_version_id == contract_version_id,
-        Score.scorer == TOTAL,
-        Score.verified.is_not(None),
+        Score.scorer == FINAL,
     )
     if not rescore:
         result.already_scored = (
             session.scalar(select(func.count()).select_from(Experience).where(current)) or 0
         )
     columns = [getattr(Experience, c) for c in _COLUMNS]
-    reason = "rescored on request" if rescore else "scored again: written before verification was recorded"
+    reason = (
+        "rescored on request" if rescore else "scored again: written before the final turn's row was recorded"
+    )
     last_id = 0
     try:
         while True:

@@ -2,10 +2,15 @@
 
 ``score_trace`` scores every assistant turn with the scorers of the specialist that served it and
 aggregates per the contract: scorer values -> turn score (weighted mean or min, zeroed by a failed
-``required`` gate) -> trace total (mean of the scored turns). A turn is *verified* when at least one
-scorer that verifies outcomes (``ScorerBase.verifies_outcome``) applied to it; a trace is verified when
-its final assistant turn -- the only one it can teach -- is. A user's correction is scored as the trace
-with the corrected final turn (the user's rating, which judged the original answer, left out).
+``required`` gate) -> trace total (mean of the scored turns, shown) and the *final* turn's score (what
+selection, preference ranking, exemplars, router data and evaluation read: the final assistant turn is the
+only one a trace can teach, and earlier turns must not lift a wrong ending). A turn is *checked* when at
+least one scorer that verifies outcomes (``ScorerBase.verifies_outcome``) applied to it, and *passed* when it
+was checked and none of those checks failed (``TraceScoreResult.final_passed``). A user's correction is scored
+as the trace with the corrected final turn (the user's rating, which judged the original answer, left out).
+
+A trace's ``principal`` (``pipeline.principals``) is who certified its metadata; a trace dict without the
+key is the loop's own (evaluation items, discovery, rewards), one from the registry always has it.
 """
 
 from __future__ import annotations
@@ -16,17 +21,16 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from statistics import mean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.contract import ContractSpec
 from pipeline.harness import HarnessSpec
+from pipeline.principals import LOOP
 from pipeline.scorers import TurnContext, called_tool, run_scorer
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 TOTAL = "total"
+FINAL = "final"  # the score row of the final assistant turn (``final_details``)
 
 
 @dataclass
@@ -59,6 +63,26 @@ class TraceScoreResult:
     def verified(self) -> bool:
         """Whether the final assistant turn (the training target) was checked by a verifying scorer."""
         return bool(self.turns) and bool(self.turns[-1].verified_by)
+
+    @property
+    def final(self) -> TurnScore | None:
+        """The final assistant turn's score: what selection, preference ranking, exemplars, router data and
+        evaluation read (the trace's ``total`` is the mean over every scored turn, shown beside it)."""
+        return self.turns[-1] if self.turns else None
+
+    @property
+    def final_passed(self) -> bool:
+        """Whether a verifying scorer checked the final turn and none of the verifying checks on it failed."""
+        final = self.final
+        return final is not None and bool(final.verified_by) and not final.failed_checks
+
+    def learnable(self, min_score: float) -> bool:
+        """Whether the trace may be learned from as it is: its final turn passed and scores at least
+        ``min_score`` (the contract's ``selection.min_score``)."""
+        final = self.final
+        return (
+            self.final_passed and final is not None and final.total is not None and final.total >= min_score
+        )
 
     @property
     def errors(self) -> int:
@@ -115,6 +139,7 @@ def score_trace(
     """Score every assistant turn of ``trace`` and aggregate per ``contract`` (see the module doc)."""
     messages = trace.get("messages") or []
     metadata = trace.get("metadata") or {}
+    principal = trace.get("principal", LOOP)
     served = turn_specialists(contract, trace, specialist=specialist)
     last = max(served) if served else None
     callers = {sp for i, sp in served.items() if called_tool(messages[i])}
@@ -131,6 +156,7 @@ def score_trace(
             harness=harness,
             is_final=index == last,
             specialist_called_tool=name in callers,
+            principal=principal,
         )
         values: dict[str, float | None] = {}
         errors: dict[str, str] = {}
@@ -152,9 +178,9 @@ def score_trace(
     corrected = corrected_trace(trace)
     if corrected is not None:
         checked = score_trace(contract, corrected, harness=harness, specialist=specialist)
-        final = checked.turns[-1] if checked.turns else None
-        result.correction = {
-            "total": checked.total,
+        final = checked.final
+        result.correction = {  # the corrected final turn's own score and checks
+            "total": final.total if final else None,
             "verified_by": final.verified_by if final else [],
             "failed": final.failed_checks if final else [],
             "errors": final.errors if final else {},
@@ -162,19 +188,30 @@ def score_trace(
     return result
 
 
+@dataclass(frozen=True)
+class EpisodeReward:
+    """What reinforcement learning gets for one episode: the reward, and the last assistant turn it pays for
+    (its index in the episode's messages; None when no turn was checked)."""
+
+    value: float
+    turn: int | None
+
+
 def episode_reward(
     contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec | None, specialist: str
-) -> float:
-    """What reinforcement learning maximises (``training.reinforcement``): the score of the episode's final
-    assistant turn under the contract when a verifying scorer checked it, else 0 -- as in curation, what the
-    contract could not check pays nothing. The final turn, not the trace's mean: earlier turns of the
-    episode (a tool call, a composed prefix) cannot lift a wrong ending, and the tool-call scorer judges the
-    last turn on every action the episode took."""
+) -> EpisodeReward:
+    """What reinforcement learning maximises (``training.reinforcement``): the score of the episode's last
+    *checked* assistant turn -- the last one a verifying scorer applied to -- and that turn, so the update
+    trains the policy's turns up to it and never a turn after it that nothing checked (a tool call's verdict
+    belongs to the turn that made the calls; a text turn is checked only by a scorer of its own content). No
+    turn checked: 0, as in curation (what the contract could not check pays nothing). The tool-call scorer
+    judges a turn on every action of the request up to it, so an earlier call cannot buy a later pass."""
     result = score_trace(contract, trace, harness=harness, specialist=specialist)
-    final = result.turns[-1] if result.turns else None
-    if final is None or final.total is None or not final.verified_by:
-        return 0.0
-    return float(final.total)
+    checked = [t for t in result.turns if t.verified_by and t.total is not None]
+    if not checked:
+        return EpisodeReward(0.0, None)
+    last = checked[-1]
+    return EpisodeReward(float(last.total), last.turn)  # type: ignore[arg-type]
 
 
 def corrected_trace(trace: dict[str, Any]) -> dict[str, Any] | None:
@@ -228,6 +265,20 @@ def _summarise(
     )
 
 
+def final_details(result: TraceScoreResult) -> dict[str, Any]:
+    """The ``details`` stored with a trace's ``final`` row: the final turn's checks (the row's ``verified``:
+    a verifying scorer applied to it; ``failed``: those of them below their pass threshold), and the
+    correction's score when the trace has a correction."""
+    final = result.final
+    return {
+        "turn": final.turn if final else None,
+        "verified_by": final.verified_by if final else [],
+        "failed": final.failed_checks if final else [],
+        **({"gated_by": final.gated_by} if final and final.gated_by else {}),
+        **({"correction": result.correction} if result.correction is not None else {}),
+    }
+
+
 def total_details(result: TraceScoreResult) -> dict[str, Any]:
     """The ``details`` stored with a trace's ``total`` row."""
     return {
@@ -241,6 +292,7 @@ def total_details(result: TraceScoreResult) -> dict[str, Any]:
                 "specialist": t.specialist,
                 "total": t.total,
                 "verified_by": t.verified_by,
+                "failed": t.failed_checks,
                 **({"gated_by": t.gated_by} if t.gated_by else {}),
             }
             for t in result.turns

@@ -9,7 +9,8 @@ Adapters are added and removed at run time with vLLM's endpoints: ``POST /v1/loa
 ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``). A loaded name is listed by ``/v1/models`` and can be
 requested as ``model``. Loading checks what ``load_runtime`` checks (safetensors only, the sha256 when
 given, the rank maximum, the base model id when given, every weight landing on a module) and needs the
-API key: without one configured, both endpoints are refused.
+``admin`` scope (``RATCHET_API_KEY``, or a key granted it): without any key configured, both endpoints are
+refused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from pipeline.errors import RatchetError
+from pipeline.principals import ANONYMOUS
+from pipeline.serving.access import Access
 from pipeline.serving.adapters import CONFIG, WEIGHTS, AdapterSource
 from pipeline.serving.engines import EmbeddedEngine, EngineRequest, EngineResult
 from pipeline.serving.limits import read_body, watch_disconnect
@@ -42,7 +45,7 @@ from pipeline.serving.protocol import (
     usage_of,
 )
 from pipeline.serving.runtime import Abort
-from pipeline.serving.server import check_key, install_error_handlers
+from pipeline.serving.server import install_error_handlers
 from pipeline.spec import file_sha256
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-:]{0,127}$")  # no dots: peft nests modules by name
@@ -71,11 +74,14 @@ def create_adapter_app(
     engine: EmbeddedEngine,
     *,
     api_key: str | None = None,
+    access: Access | None = None,
     model_names: dict[str, str] | None = None,
     max_body_bytes: int = 0,
 ) -> FastAPI:
     """An OpenAI-compatible multi-LoRA app over ``engine``; ``model_names``: served model name -> the
-    runtime's specialist (default: each specialist under its own name)."""
+    runtime's specialist (default: each specialist under its own name). ``access``: who may do what
+    (default: ``RATCHET_API_KEY`` = ``api_key`` only)."""
+    access = access or Access(api_key=api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -87,18 +93,19 @@ def create_adapter_app(
     runtime = engine.runtime
     names = dict(model_names or {s: s for s in runtime.specialists})  # changed by load / unload
 
-    def admin(request: Request) -> None:
-        if not api_key:
+    async def admin(request: Request) -> None:
+        if (await access.principal(request)).name == ANONYMOUS:
             raise ApiError(
                 403,
-                "runtime adapter loading is off: start the engine with RATCHET_API_KEY set",
+                "runtime adapter loading is off: start the engine with RATCHET_API_KEY set, or create a key "
+                "with the admin scope (ratchet keys create --scope admin)",
                 code="forbidden",
             )
-        check_key(request, api_key)
+        await access.require(request, "admin")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        check_key(request, api_key)
+        await access.require(request, "chat")
         return {
             "object": "list",
             "data": [{"id": n, "object": "model", "created": 0, "owned_by": "ratchet"} for n in names],
@@ -106,7 +113,7 @@ def create_adapter_app(
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> PlainTextResponse:
-        admin(request)
+        await admin(request)
         body = parse_body(await read_body(request, max_body_bytes), LoadLoraRequest)
         if not NAME.match(body.lora_name):
             raise ApiError(
@@ -128,7 +135,7 @@ def create_adapter_app(
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> PlainTextResponse:
-        admin(request)
+        await admin(request)
         body = parse_body(await read_body(request, max_body_bytes), UnloadLoraRequest)
         if body.lora_name not in names:
             raise ApiError(
@@ -144,7 +151,7 @@ def create_adapter_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        check_key(request, api_key)
+        await access.require(request, "chat")
         req = parse_body(await read_body(request, max_body_bytes), ChatRequest)
         if req.model not in names:
             raise ApiError(

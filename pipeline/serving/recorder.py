@@ -8,7 +8,8 @@ A served trace is ``{"messages": request messages + the assistant reply, "metada
 null}`` with ``content_hash = sha256(canonical trace JSON + completion id)`` (the same conversation served
 twice is two events). Metadata: ``specialist``, ``generation``, ``latency_ms``, ``prompt_tokens``,
 ``completion_tokens``, ``route_reason``, ``route_method``, ``route_scores``, ``finish_reason``, ``model``,
-``engine``, and ``summaries`` (``{assistant message index: summary}``, server-side only).
+``engine``, and ``summaries`` (``{assistant message index: summary}``, server-side only); the client's own
+metadata beside them when its principal may certify, else under ``claimed``. The row names its principal.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def served_trace_row(
     completion_id: str,
     generation_id: int | None,
     harness_version_id: int | None,
+    principal: str,
 ) -> TraceRow:
     trace = {"messages": messages, "metadata": metadata, "feedback": None}
     digest = hashlib.sha256((canonical(trace) + completion_id).encode()).hexdigest()
@@ -53,6 +55,7 @@ def served_trace_row(
         generation_id=generation_id,
         harness_version_id=harness_version_id,
         completion_id=completion_id,
+        principal=principal,
     )
 
 

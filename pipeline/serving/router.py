@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.harness import HarnessSpec, RoutingPolicy
+from pipeline.messages import message_text
 
 __all__ = [
     "RouteDecision",
@@ -68,16 +69,6 @@ class RouteDecision:
             "reason": self.reason,
             "scores": self.scores,
         }
-
-
-def message_text(message: Mapping[str, Any]) -> str:
-    """The text of a chat message (string content or OpenAI content parts)."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    return ""
 
 
 def turn_from_messages(

@@ -34,6 +34,9 @@ class ServeConfig:
     max_wait_ms: float = 5.0
     poll_seconds: float = 5.0  # 0: only POST /admin/reload switches generations
     api_key: str | None = None
+    # Serve requests without a key (`anonymous`, chat scope only) even when keys exist; with no key at all
+    # anonymous requests are served anyway (on loopback: the CLI refuses another host without a key).
+    allow_anonymous: bool = False
     device: str = "auto"
     model_name: str = "ratchet"
     flush_seconds: float = 0.5

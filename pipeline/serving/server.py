@@ -9,8 +9,11 @@
   ``POST /admin/reload`` (switch to a newly promoted champion now); ``GET /health``.
 - With ``config.poll_seconds`` the registry is polled and a new champion is loaded in the background and
   swapped in; requests in flight finish on the generation they started with.
-- Client mistakes get OpenAI error objects with 4xx; ``RATCHET_API_KEY`` (``config.api_key``) requires a
-  bearer key on every endpoint but ``/health``.
+- Client mistakes get OpenAI error objects with 4xx. Every endpoint but ``/health`` knows who is asking
+  (``pipeline.serving.access``): chat and feedback need the ``chat`` scope, ``/admin/*`` the ``admin`` scope.
+  What a turn's client attaches as verification material counts only with ``certify`` (else it is kept as
+  ``claimed``); a rating counts only with ``rate``, a correction only with ``correct`` (else both are kept
+  under ``feedback.claimed``, shown and never scored).
 - Limits (``pipeline.serving.limits``): a body over ``max_body_bytes`` is refused while it is read (413);
   beyond ``max_queue`` turns in flight a request gets 429 (503 while stopping or loading a generation)
   with ``Retry-After``; a turn past ``request_timeout_s`` is stopped (504, or an error event ending the
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.principals import SCOPES, Principal, parse_scopes
+from pipeline.serving.access import Access
 from pipeline.serving.limits import read_body, watch_disconnect
 from pipeline.serving.protocol import (
     ApiError,
@@ -55,6 +60,35 @@ class FeedbackRequest(BaseModel):
     completion_id: StrictStr = Field(min_length=1)
     rating: float | None = None
     correction: StrictStr | None = None
+
+
+class FeedbackResponse(BaseModel):
+    """``POST /v1/feedback``'s answer: what was stored, and whether it counts."""
+
+    object: str = Field(default="feedback", description="Always `feedback`.")
+    completion_id: str = Field(description="The served turn the feedback is about.")
+    ok: bool = Field(default=True, description="The feedback was stored.")
+    counted: dict[str, bool] = Field(
+        description="Per field sent (`rating`, `correction`): whether it counts (the key holds `rate` / "
+        "`correct`); what does not count is kept under `feedback.claimed`, shown and never scored."
+    )
+    rescored: int = Field(description="Contract versions the turn was scored again under.")
+
+
+class KeyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr = Field(min_length=1, max_length=100)
+    scopes: list[StrictStr] = Field(min_length=1, max_length=len(SCOPES))
+
+
+class KeyInfo(BaseModel):
+    """An API key as the server shows it: by name, never by value."""
+
+    name: str = Field(description="The key's name: the principal its requests are stored under.")
+    scopes: list[str] = Field(description="What the key may do.")
+    created_at: str = Field(description="When it was created (ISO 8601).")
+    revoked_at: str | None = Field(description="When it was revoked; null while it is valid.")
+    key: str | None = Field(default=None, description="The key itself: only in the answer that created it.")
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -87,26 +121,15 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
-def check_key(request: Request, key: str | None) -> None:
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise ApiError(
-            401,
-            "missing or wrong API key: send `Authorization: Bearer <RATCHET_API_KEY>`",
-            code="invalid_api_key",
-        )
-
-
 def create_app(config: ServeConfig) -> FastAPI:
     """The routed Mixture-of-LoRA server for ``config`` (loads the generation when the app starts)."""
     state = ServerState(config)
+    access = Access(api_key=config.api_key, allow_anonymous=config.allow_anonymous)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await state.start()
+        access.db = state.db
         try:
             yield
         finally:
@@ -114,6 +137,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="ratchet", lifespan=lifespan)
     app.state.ratchet = state
+    app.state.access = access
     install_error_handlers(app)
 
     @app.get("/health")
@@ -127,7 +151,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        check_key(request, config.api_key)
+        await access.require(request, "chat")
         assert state.current is not None
         return {
             "object": "list",
@@ -145,12 +169,38 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.post("/admin/reload")
     async def reload(request: Request) -> dict[str, Any]:
-        check_key(request, config.api_key)
+        await access.require(request, "admin")
         return await state.reload(retry=True)
 
-    @app.post("/v1/feedback")
-    async def feedback(request: Request) -> dict[str, Any]:
-        check_key(request, config.api_key)
+    @app.get("/admin/keys", response_model=list[KeyInfo])
+    async def keys(request: Request) -> list[KeyInfo]:
+        await access.require(request, "admin")
+        return await asyncio.to_thread(_list_keys, state.db)
+
+    @app.post("/admin/keys", response_model=KeyInfo)
+    async def create_key(request: Request) -> KeyInfo:
+        who = await access.require(request, "admin")
+        body = parse_body(await read_body(request, config.max_body_bytes), KeyRequest)
+        try:
+            return await asyncio.to_thread(_create_key, state.db, body, who.name)
+        except RatchetError as exc:
+            raise ApiError(400, str(exc), param="name") from None
+        finally:
+            access.forget()
+
+    @app.post("/admin/keys/{name}/revoke", response_model=KeyInfo)
+    async def revoke_key(name: str, request: Request) -> KeyInfo:
+        who = await access.require(request, "admin")
+        try:
+            return await asyncio.to_thread(_revoke_key, state.db, name, who.name)
+        except NotFoundError as exc:
+            raise ApiError(404, str(exc), param="name", code="not_found") from None
+        finally:
+            access.forget()
+
+    @app.post("/v1/feedback", response_model=FeedbackResponse)
+    async def feedback(request: Request) -> FeedbackResponse:
+        who = await access.require(request, "chat")
         body = parse_body(await read_body(request, config.max_body_bytes), FeedbackRequest)
         if body.rating is None and body.correction is None:
             raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
@@ -160,16 +210,16 @@ def create_app(config: ServeConfig) -> FastAPI:
         assert state.recorder is not None
         await asyncio.to_thread(state.recorder.flush)
         try:
-            rescored = await asyncio.to_thread(_attach, state.db, body)
+            counted, rescored = await asyncio.to_thread(_attach, state.db, body, who)
         except NotFoundError as exc:
             raise ApiError(404, str(exc), param="completion_id", code="not_found") from None
         except RatchetError as exc:
             raise ApiError(400, str(exc)) from None
-        return {"object": "feedback", "completion_id": body.completion_id, "ok": True, "rescored": rescored}
+        return FeedbackResponse(completion_id=body.completion_id, counted=counted, rescored=rescored)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        check_key(request, config.api_key)
+        who = await access.require(request, "chat")  # before admission: an unknown client takes no slot
         started = time.perf_counter()
         slot = state.admit()  # refused at once when full, before the body is read
         try:
@@ -181,7 +231,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                     param="model",
                     code="model_not_found",
                 )
-            turn = await state.prepare(req, started=started, slot=slot)
+            turn = dataclasses.replace(await state.prepare(req, started=started, slot=slot), principal=who)
         except BaseException:
             slot.release()
             raise
@@ -220,23 +270,66 @@ def create_app(config: ServeConfig) -> FastAPI:
     return app
 
 
-def _attach(db: Any, body: FeedbackRequest) -> int:
-    """Attach the feedback, then score the turn again under every contract version that scored it (the old
-    scores stay in the history): a rating or correction that arrives late still counts. Returns how many
-    contract versions re-scored it."""
+def _attach(db: Any, body: FeedbackRequest, who: Principal) -> tuple[dict[str, bool], int]:
+    """Attach the feedback as ``who`` may (``registry.attach_feedback``); when any of it counts, score the turn
+    again under every contract version that scored it (the old scores stay in the history): a rating or
+    correction that arrives late still counts. What does not count changes no score and runs no scorer.
+    Returns what counted and how many contract versions re-scored the turn."""
     from pipeline.registry import attach_feedback, session_scope
     from pipeline.scoring import rescore_experience
 
     with session_scope(db) as session:
-        row = attach_feedback(
-            session=session, completion_id=body.completion_id, rating=body.rating, correction=body.correction
+        row, counted = attach_feedback(
+            session=session,
+            completion_id=body.completion_id,
+            rating=body.rating,
+            correction=body.correction,
+            principal=who.name,
+            may_rate=who.may("rate"),
+            may_correct=who.may("correct"),
         )
         experience_id = row.id
+    if not any(counted.values()):
+        return counted, 0
     with session_scope(db) as session:
         done = rescore_experience(
             session=session, experience_ids=[experience_id], reason="feedback arrived after scoring"
         )
-    return len(done)
+    return counted, len(done)
+
+
+def _key_info(row: Any, value: str | None = None) -> KeyInfo:
+    return KeyInfo(
+        name=row.name,
+        scopes=list(row.scopes),
+        created_at=row.created_at.isoformat(),
+        revoked_at=row.revoked_at.isoformat() if row.revoked_at else None,
+        key=value,
+    )
+
+
+def _list_keys(db: Any) -> list[KeyInfo]:
+    from pipeline.registry import list_api_keys, session_scope
+
+    with session_scope(db) as session:
+        return [_key_info(row) for row in list_api_keys(session=session)]
+
+
+def _create_key(db: Any, body: KeyRequest, actor: str) -> KeyInfo:
+    from pipeline.registry import create_api_key, session_scope
+
+    with session_scope(db) as session:
+        row, value = create_api_key(
+            session=session, name=body.name, scopes=parse_scopes(body.scopes), actor=actor
+        )
+        return _key_info(row, value)
+
+
+def _revoke_key(db: Any, name: str, actor: str) -> KeyInfo:
+    from pipeline.registry import revoke_api_key, session_scope
+
+    with session_scope(db) as session:
+        return _key_info(revoke_api_key(session=session, name=name, actor=actor))
 
 
 def cid_key(cid: str, what: str) -> str:

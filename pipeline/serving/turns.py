@@ -22,6 +22,7 @@ from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams
+from pipeline.principals import ANONYMOUS_PRINCIPAL, Principal
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
 from pipeline.serving.limits import Admission, Slot
 from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
@@ -68,6 +69,7 @@ class ChatTurn:
     created: int  # unix seconds, as the OpenAI protocol reports it
     started: float  # perf_counter at arrival, for the recorded latency and the timeout
     slot: Slot | None = None  # its admission, released when decoding ends
+    principal: Principal = ANONYMOUS_PRINCIPAL  # who asked (``pipeline.serving.access``)
 
     @property
     def abort(self) -> Abort:
@@ -365,10 +367,12 @@ class ServerState:
                 summaries[str(i)] = rec.summary
         routes.append(decision.as_route(len(messages)))
         summaries[str(len(messages))] = summary
+        client = turn.req.metadata or {}
         metadata = {
-            # what the client said it knows about the turn (e.g. the expected answer, tests, a schema): the
-            # contract's scorers read it; the server's own fields below always win
-            **(turn.req.metadata or {}),
+            # what the client said it knows about the turn (the expected answer, tests, a schema...): the
+            # contract's scorers read it only when the client may certify; otherwise it is kept apart as
+            # `claimed` (shown, never scored). The server's own fields below always win.
+            **(client if turn.principal.may("certify") else {"claimed": client} if client else {}),
             "specialist": decision.specialist,
             "generation": served.number,
             "latency_ms": latency_ms,
@@ -395,6 +399,7 @@ class ServerState:
             completion_id=cid,
             generation_id=served.generation_id,
             harness_version_id=served.harness_version_id,
+            principal=turn.principal.name,
         )
         assert self.recorder is not None
         self.recorder.record(row)

@@ -1,9 +1,9 @@
 """Per-specialist views of a conversation, and the server-side memory of who served which turn.
 
-Single-specialist rendering follows ``pipeline.prompting.render_messages`` (system prompt only when
-``context.include_system_prompt``, client system messages appended to it, exemplars, ``keep_turns``,
-the ``max_context_chars`` budget), so a served prompt looks like the prompts the specialist was trained
-and evaluated on; on top of that, a real token counter checks the model's window.
+The view itself is ``pipeline.prompting.view_parts`` -- the same function curation builds training
+examples with, from a served trace's recorded routes and summaries -- so a served prompt looks like the
+prompts the specialist was trained and evaluated on; on top of that, a real token counter checks the model's
+window.
 
 The client sends the whole conversation on every request (OpenAI's API is stateless), so the server
 remembers, for each assistant message it produced, the specialist that wrote it and a short summary
@@ -23,13 +23,12 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import HarnessSpec
-from pipeline.prompting import exemplar_messages, prompt_chars
-from pipeline.serving.router import message_text
+from pipeline.messages import message_text
+from pipeline.prompting import TurnRecord, Writer, prompt_chars, view_parts
 from pipeline.toolcalls import from_openai, render_tool_calls
 
 SUMMARY_INSTRUCTION = "Summarize your last reply in one short sentence."
@@ -38,14 +37,6 @@ SUMMARY_CHARS = 160
 
 class ContextOverflowError(RatchetError):
     """The newest turn alone does not fit the context window."""
-
-
-@dataclass(frozen=True)
-class TurnRecord:
-    """Who wrote an assistant message and its server-side summary."""
-
-    specialist: str
-    summary: str
 
 
 def _content_key(text: str) -> str:
@@ -111,40 +102,23 @@ def summary_messages(view: list[dict[str, Any]], answer: Mapping[str, Any]) -> l
     return [*view, dict(answer), {"role": "user", "content": SUMMARY_INSTRUCTION}]
 
 
-def _turns(history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Split non-system messages into turns, each starting at a user message."""
-    turns: list[list[dict[str, Any]]] = []
-    for m in history:
-        if m.get("role") == "user" or not turns:
-            turns.append([])
-        turns[-1].append(m)
-    return turns
-
-
-def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message["role"], "content": message.get("content")}
-    if not isinstance(out["content"], (str, type(None))):
-        out["content"] = message_text(message)
-    for key in ("tool_calls", "tool_call_id", "name"):
-        if message.get(key):
-            out[key] = message[key]
-    return out
-
-
-def _apply_policy(turn: list[dict[str, Any]], specialist: str, mode: str, memory: TurnMemory) -> list[dict]:
-    out, dropped_calls = [], set()
-    for m in turn:
-        if m.get("role") == "tool" and m.get("tool_call_id") in dropped_calls:
-            continue
-        if m.get("role") == "assistant":
-            rec = memory.lookup(m)
-            if rec is not None and rec.specialist != specialist and mode != "full":
-                dropped_calls.update(str(tc.get("id")) for tc in m.get("tool_calls") or [])
-                if mode == "summary":
-                    out.append({"role": "assistant", "content": f"[{rec.specialist}] {rec.summary}"})
-                continue
-        out.append(_clean(m))
-    return out
+def recorded_writer(routes: Any, metadata: Mapping[str, Any]) -> Writer:
+    """Who wrote each assistant message of a stored trace, from its recorded ``routes`` (``{"turn",
+    "specialist"}``) and the summaries the server kept (``metadata.summaries``): the ``Writer`` curation
+    rebuilds a served turn's view with, as the server built it. Entries of an odd shape are ignored."""
+    summaries = metadata.get("summaries") if isinstance(metadata.get("summaries"), Mapping) else {}
+    records: dict[int, TurnRecord] = {}
+    for route in routes if isinstance(routes, list) else []:
+        if (
+            isinstance(route, Mapping)
+            and isinstance(route.get("turn"), int)
+            and isinstance(route.get("specialist"), str)
+        ):
+            summary = summaries.get(str(route["turn"]))
+            records[route["turn"]] = TurnRecord(
+                route["specialist"], summary if isinstance(summary, str) else ""
+            )
+    return lambda i, _m: records.get(i)
 
 
 def build_view(
@@ -163,19 +137,7 @@ def build_view(
     the oldest past turns go first, then the exemplars; ``ContextOverflowError`` when the system prompt
     and the current turn alone do not fit.
     """
-    sp = harness.specialists.get(specialist)
-    head: list[dict[str, Any]] = []
-    if harness.context.include_system_prompt:  # a model never taught system prompts gets none at all
-        system = sp.render_system_prompt() if sp is not None else ""
-        client_system = [message_text(m) for m in messages if m.get("role") in ("system", "developer")]
-        system = "\n\n".join(s for s in [system, *client_system] if s)
-        head = [{"role": "system", "content": system}] if system else []
-    exemplars = exemplar_messages(harness, specialist) if sp is not None else []
-    mode = harness.context.other_specialists
-    turns = _turns([dict(m) for m in messages if m.get("role") not in ("system", "developer")])
-    shown = [_apply_policy(t, specialist, mode, memory) for t in turns]
-    current, past = shown[-1] if shown else [], shown[:-1]
-    past = past[len(past) - harness.context.keep_turns :] if harness.context.keep_turns else []
+    parts = view_parts(harness, specialist, messages, writer=lambda _i, m: memory.lookup(m))
     window = harness.context.max_context_tokens
     if context_limit is not None:
         window = min(window, context_limit)
@@ -183,21 +145,18 @@ def build_view(
     chars = harness.context.max_context_chars
     fmt = harness.tool_call_format
 
-    def assemble() -> list[dict[str, Any]]:
-        return head + [m for ex in exemplars for m in ex] + [m for t in past for m in t] + current
-
     def fits(view: list[dict[str, Any]]) -> bool:
         if chars is not None and prompt_chars(view, fmt) > chars - max_new_tokens:
             return False
         return count_tokens(view) <= budget
 
-    view = assemble()
-    while not fits(view) and past:
-        past = past[1:]
-        view = assemble()
-    while not fits(view) and exemplars:
-        exemplars = exemplars[:-1]
-        view = assemble()
+    view = parts.assemble()
+    while not fits(view) and parts.past:
+        parts.past = parts.past[1:]
+        view = parts.assemble()
+    while not fits(view) and parts.exemplars:
+        parts.exemplars = parts.exemplars[:-1]
+        view = parts.assemble()
     if not fits(view):
         used = count_tokens(view)
         if chars is not None:

@@ -15,9 +15,10 @@ carry no signal and sit out the update, as in DAPO's dynamic sampling; the step 
 Episodes are multi-turn where the task source has an action substrate (``Episodes.act``): a reply that
 calls tools (read by the one reader of replies, ``toolcalls.assistant_message``, in the harness's format) has
 each call executed against the episode's own substrate state, the results are appended as ``tool`` messages,
-and the policy continues, until it answers without a call or ``max_turns`` replies were written. Every
-assistant turn the policy wrote is trained on (``likelihood.encode_episode``); tool results, prompts,
-exemplars and the task item's own turns are context.
+and the policy continues, until it answers without a call or ``max_turns`` replies were written. The reward
+pays for the episode's last turn a verifying scorer checked (``scoring.episode_reward``): every assistant turn
+the policy wrote up to it is trained on (``likelihood.encode_episode``), a turn after it that nothing checked
+never is; tool results, prompts, exemplars and the task item's own turns are context.
 
 Why not TRL's ``GRPOTrainer`` (``README.md``, *Training methods*): its multi-turn tool loop reads calls
 through transformers' response templates, a second parser beside the one the contract's scorers and the
@@ -51,6 +52,7 @@ from pipeline.spec import content_hash, weights_sha256
 if TYPE_CHECKING:
     from pipeline.modelspec import GrpoSettings, LoraConfig
     from pipeline.placement import Placement
+    from pipeline.scoring import EpisodeReward
     from pipeline.tracking import Tracker
     from pipeline.training.job import TrainResult
 
@@ -68,7 +70,7 @@ class Episodes:
 
     items: list[dict[str, Any]]  # task items of the training split (none held out): the prompt pool
     view: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]  # the conversation as the specialist sees it
-    reward: Callable[[dict[str, Any]], float]  # a finished episode's trace -> its reward
+    reward: Callable[[dict[str, Any]], EpisodeReward]  # a finished episode's trace -> its reward and turn
     tools: list[dict[str, Any]] = field(default_factory=list)  # the tools the harness offers (item's win)
     # The task source's action substrate: ``reset(item) -> state``, ``act(state, call) -> (state, result)``.
     reset: Callable[[dict[str, Any]], Any] | None = None
@@ -192,20 +194,21 @@ def train_grpo(
             rolled = roll_out(
                 model, tokenizer, batch, episodes, settings, fmt=tool_call_format, seed=_step_seed(seed, step)
             )
-            rewards = torch.tensor(list(scoring.map(episodes.reward, rolled)), dtype=torch.float32)
+            paid = list(scoring.map(episodes.reward, rolled))
+            rewards = torch.tensor([p.value for p in paid], dtype=torch.float32)
             groups = rewards.view(len(batch), settings.group_size)
             spread = groups.std(dim=1, keepdim=True)
             advantages = ((groups - groups.mean(dim=1, keepdim=True)) / (spread + ADVANTAGE_EPS)).flatten()
             advantages = torch.where((spread > 0).expand_as(groups).flatten(), advantages, 0.0)
             informative = advantages.nonzero().flatten().tolist()
             asked = [sum(m.get("role") == "assistant" for m in it["messages"]) for it in batch]
-            written = [  # the assistant turns the policy wrote in each episode (the item's own are context)
-                sum(m.get("role") == "assistant" for m in t["messages"]) - asked[n // settings.group_size]
-                for n, t in enumerate(rolled)
-            ]
+            episodes_paid = [paid_turns(t["messages"], p, asked[n // settings.group_size])
+                             for n, (t, p) in enumerate(zip(rolled, paid, strict=True))]  # fmt: skip
+            trained = [messages for messages, _ in episodes_paid]
+            written = [turns for _, turns in episodes_paid]
             examples, kept = [], []
             for i in informative:
-                view = episodes.view(rolled[i]["messages"])
+                view = episodes.view(trained[i])
                 tools = (rolled[i]["metadata"] or {}).get("tools") or episodes.tools
                 try:
                     ids, labels = encode_episode(tokenizer, view, max_len, fmt=tool_call_format,
@@ -293,6 +296,16 @@ def train_grpo(
     del model, optim, reference
     return TrainResult(adapter_dir, adapter_sha, total, reward_mean, tokens / max(seconds, 1e-9), start,
                        len(episodes.items), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
+
+
+def paid_turns(
+    messages: list[dict[str, Any]], paid: EpisodeReward, asked: int
+) -> tuple[list[dict[str, Any]], int]:
+    """What an episode's update trains: its messages up to the turn its reward pays for (a turn after it,
+    that nothing checked, is never trained; with no checked turn, the whole episode) and how many assistant
+    turns the policy wrote in them (the task item's own ``asked`` ones are context)."""
+    kept = messages[: paid.turn + 1] if paid.turn is not None else messages
+    return kept, sum(m.get("role") == "assistant" for m in kept) - asked
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -26,6 +26,7 @@ TABLES = {
     "dataset_examples",
     "evaluation_items",
     "audit_log",
+    "api_keys",
 }
 
 
@@ -111,7 +112,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0006" in capsys.readouterr().out
+    assert "revision 0008" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
@@ -140,3 +141,77 @@ def test_adapters_trained_before_0006_read_as_sft(empty_url):
             assert conn.execute(text("SELECT method FROM adapters")).scalar_one() == "sft"
     finally:
         engine.dispose()
+
+
+def test_served_turns_before_0007_keep_what_their_clients_sent_apart(empty_url):
+    """Before 0007 any client of `ratchet serve` could put `expected` into a turn's metadata and rate or
+    correct it, and all of it counted. Migration 0007 keeps what those clients sent under `claimed` (never
+    scored) and names the principals it knows: the loop's own practice and the operator's ingest."""
+    import json
+
+    from sqlalchemy import text
+
+    upgrade_db(empty_url, "0006")
+    engine = make_engine(empty_url)
+    insert = text(
+        "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist, "
+        "source, created_at) VALUES (:h, :c, '[]', :m, :f, '[]', 'chat', :s, CURRENT_TIMESTAMP)"
+    )
+    served_meta = {"specialist": "chat", "generation": 1, "latency_ms": 3.0, "expected": "99", "tests": "x"}
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                insert,
+                {
+                    "h": "served",
+                    "c": "chatcmpl-1",
+                    "m": json.dumps(served_meta),
+                    "f": json.dumps({"rating": 5, "correction": "EVIL 99"}),
+                    "s": "deployment",
+                },
+            )
+            conn.execute(
+                insert,
+                {
+                    "h": "plain",
+                    "c": "chatcmpl-2",
+                    "m": json.dumps({"specialist": "chat"}),
+                    "f": None,
+                    "s": "deployment",
+                },
+            )
+            conn.execute(
+                insert,
+                {
+                    "h": "ingested",
+                    "c": None,
+                    "m": json.dumps({"expected": "4"}),
+                    "f": json.dumps({"rating": 4}),
+                    "s": "import",
+                },
+            )
+            conn.execute(insert, {"h": "practice", "c": None, "m": json.dumps({"expected": "5"}), "f": None,
+                                  "s": "simulation"})  # fmt: skip
+        upgrade_db(empty_url)
+        with engine.connect() as conn:
+            rows = {
+                r.content_hash: r
+                for r in conn.execute(
+                    text("SELECT content_hash, metadata, feedback, principal FROM experience")
+                )
+            }
+    finally:
+        engine.dispose()
+    served = rows["served"]
+    meta = json.loads(served.metadata)
+    assert meta["claimed"] == {"expected": "99", "tests": "x"}
+    assert "expected" not in meta and meta["specialist"] == "chat" and meta["latency_ms"] == 3.0
+    assert json.loads(served.feedback) == {"claimed": {"rating": 5, "correction": "EVIL 99"}}
+    assert served.principal is None  # nobody knows who sent it
+    assert json.loads(rows["plain"].metadata) == {"specialist": "chat"} and rows["plain"].feedback is None
+    assert (
+        json.loads(rows["ingested"].metadata) == {"expected": "4"}
+        and rows["ingested"].principal == "operator"
+    )
+    assert json.loads(rows["ingested"].feedback) == {"rating": 4}
+    assert rows["practice"].principal == "ratchet"

@@ -87,7 +87,12 @@ def test_openai_client_plain_stream_tools_experience_feedback(registry):
     rows = {e.completion_id: e for e in experience_rows(registry)}
     assert len(rows) == 6 and all(e.source == "deployment" for e in rows.values())
     first = rows[plain.id]
-    assert first.feedback == {"rating": 0.5} and first.specialist == "chat"
+    # no key: the rating is kept and shown, never counted (tests/serving/test_access.py has the scoped keys)
+    assert (
+        first.feedback == {"claimed": {"rating": 0.5, "rating_by": "anonymous"}}
+        and first.specialist == "chat"
+    )
+    assert first.principal == "anonymous"
     assert first.generation_id is not None and first.harness_version_id is not None
     assert first.routes[0]["turn"] == 1 and first.routes[0]["specialist"] == "chat"
     assert first.messages[-1]["role"] == "assistant"
@@ -108,7 +113,8 @@ def test_openai_client_plain_stream_tools_experience_feedback(registry):
 
 def test_promotion_is_picked_up_live_and_shutdown_flushes(registry, tiny_artifacts):
     harness = {**HARNESS, "routing": {**HARNESS["routing"], "entry": "genui", "default": "genui"}}
-    with ServerThread(create_app(config(registry, poll_seconds=0.2, flush_seconds=60))) as srv:
+    cfg = config(registry, poll_seconds=0.2, flush_seconds=60, api_key="operator-key", allow_anonymous=True)
+    with ServerThread(create_app(cfg)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
         msg = [{"role": "user", "content": "hello"}]
         before = client.chat.completions.create(model="ratchet", messages=msg, max_tokens=3)
@@ -144,7 +150,8 @@ def test_promotion_is_picked_up_live_and_shutdown_flushes(registry, tiny_artifac
         ids = [
             client.chat.completions.create(model="ratchet", messages=msg, max_tokens=2).id for _ in range(5)
         ]
-        assert httpx.post(srv.url + "/admin/reload").json()["generation"] == 1
+        admin = {"Authorization": "Bearer operator-key"}
+        assert httpx.post(srv.url + "/admin/reload", headers=admin).json()["generation"] == 1
     rows = {e.completion_id: e for e in experience_rows(registry)}
     assert set(ids) <= set(rows) and rows[after.id].harness_version_id != rows[before.id].harness_version_id
 

@@ -21,10 +21,14 @@ TEMPLATE = "{specialist}-g{generation}"
 PROMPTS = ["12+35=?", "f adds 3 4", "counter 5+6", "hello there"]
 
 
+ADMIN = {"Authorization": "Bearer operator-key-of-the-front"}  # /admin/reload needs the admin scope
+
+
 def config(url, **over):
     return ServeConfig(
-        **{"registry_url": url, "device": "cpu", "poll_seconds": 0, "flush_seconds": 0.05, **over}
-    )
+        **{"registry_url": url, "device": "cpu", "poll_seconds": 0, "flush_seconds": 0.05,
+           "api_key": "operator-key-of-the-front", "allow_anonymous": True, **over}
+    )  # fmt: skip
 
 
 def engine_app(url, *, api_key=KEY, names=None):
@@ -85,7 +89,7 @@ def test_a_promotion_is_loaded_into_the_external_engine_first(
             assert {r.metadata["generation"] for r in before} == {0}
 
             register_generation(registry, {**tiny_artifacts, "adapters": next_adapters})  # promoted
-            switched = httpx.post(front.url + "/admin/reload").json()
+            switched = httpx.post(front.url + "/admin/reload", headers=ADMIN).json()
             assert switched == {"generation": 1, "previous": 0, "switched": True}
             assert {f"{s}-g1" for s in SPECIALISTS} <= models(engine.url)  # the engine got the load calls
             after = ask(front.url)
@@ -105,7 +109,7 @@ def test_a_promotion_is_loaded_into_the_external_engine_first(
             (last.path / "adapter_model.safetensors").write_bytes(b"not the weights")
             caplog.clear()
             with caplog.at_level(logging.ERROR, logger="pipeline.serving.turns"):
-                failed = httpx.post(front.url + "/admin/reload").json()
+                failed = httpx.post(front.url + "/admin/reload", headers=ADMIN).json()
             assert failed["switched"] is False and failed["generation"] == 1
             assert f"'{last.specialist}-g2'" in failed["error"] and "sha256" in failed["error"]
             [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -200,6 +204,6 @@ def test_a_name_that_would_keep_serving_old_weights_is_not_switched_to(
         front_config = config(registry, engine="external", engine_url=engine.url, engine_api_key=KEY)
         with ServerThread(create_app(front_config)) as front:
             register_generation(registry, {**tiny_artifacts, "adapters": next_adapters})
-            r = httpx.post(front.url + "/admin/reload").json()
+            r = httpx.post(front.url + "/admin/reload", headers=ADMIN).json()
             assert r["switched"] is False and "put {generation} in --engine-model" in r["error"]
             assert {a.metadata["generation"] for a in ask(front.url, PROMPTS[:1])} == {0}

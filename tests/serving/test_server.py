@@ -28,8 +28,14 @@ def shared_registry(tmp_path_factory, tiny_artifacts):
 
 @pytest.fixture(scope="module")
 def client(shared_registry):
-    app = create_app(
-        ServeConfig(registry_url=shared_registry, poll_seconds=0, device="cpu", flush_seconds=0.05)
+    app = create_app(  # anonymous clients stay served when a test of this module creates a key
+        ServeConfig(
+            registry_url=shared_registry,
+            poll_seconds=0,
+            device="cpu",
+            flush_seconds=0.05,
+            allow_anonymous=True,
+        )
     )
     with TestClient(app) as c:
         yield c
@@ -115,8 +121,13 @@ def test_feedback_attaches_and_errors(client, shared_registry):
     cid = client.post("/v1/chat/completions", json=OK).json()["id"]
     r = client.post("/v1/feedback", json={"completion_id": cid, "rating": 1, "correction": "47"})
     assert r.status_code == 200 and r.json()["ok"]
+    # no key: the anonymous client's feedback is stored and shown, never counted (nothing is re-scored)
+    assert r.json()["counted"] == {"rating": False, "correction": False} and r.json()["rescored"] == 0
     row = next(e for e in experience_rows(shared_registry) if e.completion_id == cid)
-    assert row.feedback == {"rating": 1, "correction": "47"}
+    assert row.feedback == {
+        "claimed": {"rating": 1, "rating_by": "anonymous", "correction": "47", "correction_by": "anonymous"}
+    }
+    assert row.principal == "anonymous"
     assert client.post("/v1/feedback", json={"completion_id": "nope", "rating": 1}).status_code == 404
     assert client.post("/v1/feedback", json={"completion_id": cid}).status_code == 400
     assert client.post("/v1/feedback", json={"completion_id": cid, "rating": "good"}).status_code == 400
@@ -208,19 +219,33 @@ def test_stop_sequences_and_seeded_sampling_over_http(client):
 
 
 def test_request_metadata_is_kept_and_late_feedback_rescores_the_turn(client, shared_registry):
-    """A deployment that knows the expected outcome says so in the request's metadata (the server's own
-    fields win); a rating that arrives after scoring re-scores the turn, and the old scores stay."""
+    """A deployment that knows the expected outcome says so in the request's metadata, with a key the operator
+    granted `certify` (the server's own fields win); a rating from a key granted `rate` that arrives after
+    scoring re-scores the turn, and the old scores stay."""
     from pathlib import Path
 
     from sqlalchemy import select
 
     from pipeline.contract import load_contract
-    from pipeline.registry import Score, ScoreHistory, get_engine, register_contract, session_scope
+    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.registry import (
+        Score,
+        ScoreHistory,
+        create_api_key,
+        get_engine,
+        register_contract,
+        session_scope,
+    )
     from pipeline.scoring import score_experience
 
+    with session_scope(get_engine(shared_registry)) as s:
+        _, value = create_api_key(
+            session=s, name="crm", scopes=parse_scopes("chat,certify,rate"), actor=OPERATOR
+        )
+    crm = {"Authorization": f"Bearer {value}"}
     meta = {"expected": "47", "specialist": "agent", "ticket": "T-1"}
-    cid = client.post("/v1/chat/completions", json={**OK, "metadata": meta}).json()["id"]
-    plain = client.post("/v1/chat/completions", json=OK).json()["id"]
+    cid = client.post("/v1/chat/completions", json={**OK, "metadata": meta}, headers=crm).json()["id"]
+    plain = client.post("/v1/chat/completions", json=OK, headers=crm).json()["id"]
     state = client.app.state.ratchet
     deadline = time.monotonic() + 10  # turns are written off the request path
     while (
@@ -253,6 +278,6 @@ def test_request_metadata_is_kept_and_late_feedback_rescores_the_turn(client, sh
 
     assert total(cid)[:2] == (True, ["exact_match"])  # checked against what the deployment said
     assert total(plain)[:2] == (False, [])  # nothing to check it against: never learned from
-    r = client.post("/v1/feedback", json={"completion_id": plain, "rating": 5})
+    r = client.post("/v1/feedback", json={"completion_id": plain, "rating": 5}, headers=crm)
     assert r.status_code == 200 and r.json()["rescored"] == 1
     assert total(plain) == (True, ["feedback"], ["feedback arrived after scoring"])

@@ -229,3 +229,51 @@ def test_learned_router_trained_from_traces_and_measured():
     learned = demo.model_copy(update={"routing": demo.routing.model_copy(update={"mode": "learned"})})
     result = measure_router(learned, suite_items(load_contract("contracts/demo.yaml")), classifier=clf)
     assert result["mode"] == "learned" and result["total"] == 32 and result["by_method"] == {"learned": 32}
+
+
+def test_training_rebuilds_the_view_the_server_showed_from_the_recorded_trace(memory):
+    """Found on main: curation rendered what a specialist saw with other specialists' turns in full, where the
+    server had shown it their summaries. Curation now rebuilds the view with the same function from the served
+    trace's recorded routes and summaries (``recorded_writer``), and gets what the server built."""
+    from pipeline.prompting import render_messages
+    from pipeline.serving.views import recorded_writer
+
+    served = build_view(
+        CONVO, "coding", harness=harness(), memory=memory, count_tokens=chars, max_new_tokens=8
+    )
+    routes = [
+        {"turn": 1, "specialist": "coding"},
+        {"turn": 3, "specialist": "genui"},
+        {"turn": 5, "specialist": "coding"},
+    ]
+    metadata = {"summaries": {"1": "wrote f adding 3", "3": "showed a counter at 3"}}
+    rebuilt = render_messages(harness(), "coding", CONVO, writer=recorded_writer(routes, metadata))
+    assert rebuilt == served
+    assert '{"type":"counter","value":3}' not in json.dumps(rebuilt)  # the other specialist's reply itself
+    # odd shapes in a stored trace are ignored, not trusted or crashed on
+    odd = recorded_writer([{"turn": "1", "specialist": 5}, "x", None], {"summaries": ["no"]})
+    assert (
+        render_messages(harness(), "coding", CONVO, writer=odd)[4]["content"]
+        == '{"type":"counter","value":3}'
+    )
+
+
+def test_a_client_system_message_in_content_parts_is_read_as_text():
+    """Found on main: a client system message sent as content parts reached training as
+    "[{'type': 'text', ...}]". Every view reads content parts with the one text reader."""
+    from pipeline.prompting import render_messages
+
+    convo = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "Answer in "}, {"type": "text", "text": "French."}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "12+35=?"}]},
+    ]
+    trained = render_messages(harness(), "chat", convo)
+    served = build_view(
+        convo, "chat", harness=harness(), memory=TurnMemory(), count_tokens=chars, max_new_tokens=8
+    )
+    assert trained == served
+    assert trained[0] == {"role": "system", "content": "chat\n\nAnswer in French."}
+    assert trained[-1] == {"role": "user", "content": "12+35=?"}
