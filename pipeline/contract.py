@@ -265,6 +265,14 @@ class PromotionGates(StrictModel):
         "confidence bound of its delta must stay above minus the tolerance).",
     )
     min_heldout_samples: int = Field(default=20, ge=2, description="Minimum held-out items per specialist.")
+    max_unscored_share: float = Field(
+        default=0.02,
+        ge=0.0,
+        lt=1.0,
+        description="Evaluation scores both pairs item by item; an item a scorer could not score on either pair "
+        "(a judge unreachable, a grade missing) is left out of the comparison and counted. More than this share "
+        "of all held-out items left out fails the evaluation step.",
+    )
 
     def tolerance(self, specialist: str) -> float:
         """The regression tolerance of ``specialist``."""

@@ -3,7 +3,11 @@
 Both pairs answer the same items greedily and are scored under the contract, so the comparison is paired:
 per specialist the mean of the item-level differences and its standard error; overall the mean of the
 specialists' means (each specialist counts the same), whose variance is the sum of theirs over the number
-of specialists squared. Every item's score is stored with the candidate (``evaluation["items"]``), as is
+of specialists squared. Both pairs answer first; then their answers are scored item by item, interleaved, each
+on its final assistant turn (``score_both``), so a scorer that fails for a while fails on both sides of the same
+items. An item unscored on either side is left out of the comparison and counted (``evaluation["unscored"]``);
+more than ``promotion.max_unscored_share`` of them fails the step. Every compared item's score is stored with
+the candidate (``evaluation["items"]``), as is
 the router's accuracy on the contract's routing suite for both harnesses, which attempt against this
 champion the candidate is, and how both pairs answer the variants discovery found this generation
 (``evaluation["discovery"]``: greedy contract totals; they were practised on, so this is a report, never a
@@ -104,33 +108,115 @@ def score_pair(
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Greedy answers of the pair on the items, each trace's total under the contract (unscorable = 0)."""
-    answered = answer_and_score(pair, items, contract, progress=progress)
-    return {s: [value for value, _ in results] for s, results in answered.items()}
+    """Greedy answers of the pair on the items, each item's final-turn score under the contract (unscored =
+    0: a report or a choice among harness variants, never the promotion gate, which uses ``score_both``)."""
+    answered = answer_suites(pair, items, progress=progress)
+    return {
+        s: [item_score(contract, t, harness=pair.harness, specialist=s).value or 0.0 for t in traces]
+        for s, traces in answered.items()
+    }
 
 
-def answer_and_score(
+def answer_suites(
     pair: PairSpec,
     items: dict[str, list[dict[str, Any]]],
-    contract: ContractSpec,
     *,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[tuple[float, dict[str, Any]]]]:
-    """``score_pair`` with each item's answer kept: per specialist, (total, the answering message)."""
-    from pipeline.clock import CLOCK
+) -> dict[str, list[dict[str, Any]]]:
+    """The pair's greedy answer to every item: per specialist, one trace per item."""
     from pipeline.pair import answer_items
-    from pipeline.scoring import score_trace
 
     answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
-    out: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    return {s: [trace for (trace,) in traces] for s, traces in answered.items()}
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    """One held-out item's score on one pair: the final assistant turn's score under the contract, or None
+    (unscored) with why."""
+
+    value: float | None
+    error: str | None = None
+
+
+def item_score(
+    contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec, specialist: str
+) -> ItemScore:
+    """The score of an answered item: its final turn's (a multi-turn item is judged on the turn that answers
+    it, not on the mean of its turns). *Unscored* when the final turn got no score, or when a scorer that
+    applies to it gave no verdict because of an error (a judge that was unreachable or answered without a
+    grade, tests that could not be read): its score would be made of the other scorers alone, unlike the
+    same item's score on the other pair."""
+    from pipeline.scoring import score_trace
+
+    final = score_trace(contract, trace, harness=harness, specialist=specialist).final
+    if final is None or final.total is None:
+        why = "; ".join(f"{k}: {e}" for k, e in (final.errors if final else {}).items())
+        return ItemScore(None, why or "no scorer applies to the final turn")
+    broken = [f"{key}: {error}" for key, error in final.errors.items() if final.values.get(key) is None]
+    if broken:
+        return ItemScore(None, broken[0])
+    return ItemScore(float(final.total))
+
+
+def score_both(
+    contract: ContractSpec,
+    champion: tuple[HarnessSpec, dict[str, list[dict[str, Any]]]],
+    candidate: tuple[HarnessSpec, dict[str, list[dict[str, Any]]]],
+) -> dict[str, list[tuple[ItemScore, ItemScore]]]:
+    """Both pairs' answers (``(harness, answer_suites(...))`` each) scored item by item, interleaved --
+    champion's item 1, candidate's item 1, champion's item 2, ... -- so a scorer that fails for a while (a
+    judge that goes down and comes back) fails on both sides of the same items, never on one pair's half."""
+    from pipeline.clock import CLOCK
+
+    (champ_harness, champ), (cand_harness, cand) = champion, candidate
+    out: dict[str, list[tuple[ItemScore, ItemScore]]] = {}
     with CLOCK.measure("score"):
-        for specialist, traces in answered.items():
-            results = []
-            for (trace,) in traces:
-                result = score_trace(contract, trace, harness=pair.harness, specialist=specialist)
-                results.append((float(result.total or 0.0), trace["messages"][-1]))
-            out[specialist] = results
+        for specialist in champ:
+            out[specialist] = [
+                (
+                    item_score(contract, a, harness=champ_harness, specialist=specialist),
+                    item_score(contract, b, harness=cand_harness, specialist=specialist),
+                )
+                for a, b in zip(champ[specialist], cand[specialist], strict=True)
+            ]
     return out
+
+
+def paired_values(
+    scored: dict[str, list[tuple[ItemScore, ItemScore]]],
+) -> tuple[dict, dict, dict[str, list[int]]]:
+    """``(champion, candidate, unscored)``: per specialist, the scores of the items scored on both pairs (same
+    order), and the positions of the items left out because either side is unscored."""
+    champ: dict[str, list[float]] = {}
+    cand: dict[str, list[float]] = {}
+    unscored: dict[str, list[int]] = {}
+    for specialist, rows in scored.items():
+        champ[specialist], cand[specialist], unscored[specialist] = [], [], []
+        for i, (a, b) in enumerate(rows):
+            if a.value is None or b.value is None:
+                unscored[specialist].append(i)
+            else:
+                champ[specialist].append(a.value)
+                cand[specialist].append(b.value)
+    return champ, cand, unscored
+
+
+def check_unscored(
+    scored: dict[str, list[tuple[ItemScore, ItemScore]]], unscored: dict[str, list[int]], limit: float
+) -> None:
+    """``RatchetError`` (one line) when more than ``limit`` of all items could not be scored on both pairs."""
+    total = sum(len(rows) for rows in scored.values())
+    left_out = sum(len(v) for v in unscored.values())
+    if total and left_out / total > limit:
+        first = next(
+            (x.error for s, rows in scored.items() for i in unscored[s] for x in rows[i] if x.value is None),
+            "",
+        )
+        raise RatchetError(
+            f"evaluation: {left_out:,} of {total:,} held-out items ({left_out / total:.1%}) could not be scored on "
+            f"both pairs (over promotion.max_unscored_share {limit:g}): {first}"
+        )
 
 
 def attempt_number(session: Session, gen: Generation) -> int:
@@ -177,8 +263,11 @@ def evaluate_step(
     if not suites:
         raise RatchetError("the contract declares no held-out suites: nothing to evaluate a candidate on")
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)
-    champ_answers = answer_and_score(champion, suites, contract, progress=report("champion"))
-    cand_answers = answer_and_score(candidate, suites, contract, progress=report("candidate"))
+    champ_answers = answer_suites(champion, suites, progress=report("champion"))
+    cand_answers = answer_suites(candidate, suites, progress=report("candidate"))
+    scored = score_both(contract, (champion.harness, champ_answers), (candidate.harness, cand_answers))
+    champ_scores, cand_scores, unscored = paired_values(scored)
+    check_unscored(scored, unscored, contract.promotion.max_unscored_share)
     variants = {s: items for s in sorted(candidate.adapters) if (items := discovered_items(state, s))}
     discovery = {}
     if variants:  # how both pairs answer what discovery found (trained on: a report, never a gate)
@@ -189,8 +278,6 @@ def evaluate_step(
                 "candidate": round(fmean(after[s]), 4)}
             for s in variants
         }  # fmt: skip
-    champ_scores = {s: [v for v, _ in r] for s, r in champ_answers.items()}
-    cand_scores = {s: [v for v, _ in r] for s, r in cand_answers.items()}
     comparison = compare_scores(champ_scores, cand_scores)
     classifier = fit_router(candidate.harness, contract, candidates) if candidates is not None else None
     evaluation = {
@@ -200,12 +287,16 @@ def evaluate_step(
         "parent_overall": round(comparison.champion_overall, 4),
         "comparison": comparison.to_dict(),
         "attempt": attempt,
-        "items": {
+        "items": {  # the items scored on both pairs (what the comparison is made of)
             s: {
                 "parent": [round(v, 4) for v in champ_scores[s]],
                 "candidate": [round(v, 4) for v in cand_scores[s]],
             }
             for s in sorted(suites)
+        },
+        "unscored": {s: len(v) for s, v in unscored.items() if v},  # left out of the comparison, both sides
+        "unscored_errors": {
+            s: scored[s][v[0]][0].error or scored[s][v[0]][1].error for s, v in unscored.items() if v
         },
         "discovery": discovery,
         "router": measure_routing(candidate.harness, contract, classifier),
@@ -214,7 +305,7 @@ def evaluate_step(
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         gen.evaluation = evaluation
-        store_items(session, generation_id, suites, champ_answers, cand_answers)
+        store_items(session, generation_id, suites, scored, champ_answers, cand_answers)
         if classifier is not None:
             gen.state = {**(gen.state or {}), "router_classifier": classifier.to_dict()}
         parent = load_generation(session, gen.parent_id)
@@ -242,10 +333,12 @@ def store_items(
     session: Session,
     generation_id: int,
     suites: dict[str, list[dict[str, Any]]],
-    parent: dict[str, list[tuple[float, dict[str, Any]]]],
-    candidate: dict[str, list[tuple[float, dict[str, Any]]]],
+    scored: dict[str, list[tuple[ItemScore, ItemScore]]],
+    parent: dict[str, list[dict[str, Any]]],
+    candidate: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """Keep every held-out item with both answers and scores (replacing an earlier, crashed attempt's)."""
+    """Keep every held-out item scored on both pairs, with both answers and scores (replacing an earlier,
+    crashed attempt's); an unscored item is left out, as it is of the comparison."""
     from sqlalchemy import delete, insert
 
     from pipeline.registry import EvaluationItem
@@ -257,14 +350,14 @@ def store_items(
             "specialist": s,
             "position": i,
             "messages": item["messages"],
-            "parent_answer": parent[s][i][1],
-            "candidate_answer": candidate[s][i][1],
-            "parent_value": parent[s][i][0],
-            "candidate_value": candidate[s][i][0],
+            "parent_answer": parent[s][i]["messages"][-1],
+            "candidate_answer": candidate[s][i]["messages"][-1],
+            "parent_value": scored[s][i][0].value,
+            "candidate_value": scored[s][i][1].value,
         }
         for s in sorted(suites)
         for i, item in enumerate(suites[s])
-        if i < len(parent.get(s, ())) and i < len(candidate.get(s, ()))
+        if i < len(scored.get(s, ())) and None not in (scored[s][i][0].value, scored[s][i][1].value)
     ]
     if rows:
         session.execute(insert(EvaluationItem), rows)

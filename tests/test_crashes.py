@@ -38,14 +38,14 @@ from pipeline.advance import advance_once
 from pipeline.candidate import AdvanceConfig
 from pipeline.cli.advance import make_tracker
 if os.environ.get("HOLD_EVALUATION"):  # evaluation on the tiny model can end between two polls: hold it open
-    answer = evaluation.answer_and_score
+    answer = evaluation.answer_suites
     def held(*args, **kwargs):
         result = answer(*args, **kwargs)
         if sys._getframe(1).f_code.co_name == "evaluate_step":  # not co-design's: the evaluation step's
             open(os.environ["HOLD_EVALUATION"], "w").close()  # the champion's answers are in: half done
             time.sleep(600)
         return result
-    evaluation.answer_and_score = held
+    evaluation.answer_suites = held
 print(advance_once(config=AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2,
                                         validation_items=6, seed=1), tracker=make_tracker())["status"])
 """

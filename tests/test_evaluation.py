@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from pipeline.evaluation import Comparison, compare_scores
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scores(p, n, seed):
@@ -39,3 +42,101 @@ def test_identical_results_have_no_variance_and_mismatched_items_are_refused():
         compare_scores({"chat": [1.0]}, {"agent": [1.0]})
     with pytest.raises(ValueError, match="3 champion items vs 2"):
         compare_scores({"chat": [1.0] * 3}, {"chat": [1.0] * 2})
+
+
+# ---- scoring both pairs: interleaved, final turn, unscored items left out (issue 21) ------------------------
+class _FlakyJudge:
+    """A real OpenAI-compatible judge on loopback that answers "8" except for the requests numbered in
+    ``down`` (counted from 0), which get HTTP 503."""
+
+    def __init__(self, down: range):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.seen = 0
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                self.rfile.read(int(self.headers["Content-Length"]))
+                n, judge.seen = judge.seen, judge.seen + 1
+                status = 503 if n in down else 200
+                body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "8"}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _judged_contract(url: str):
+    from pipeline.contract import ContractSpec
+
+    return ContractSpec.model_validate({
+        "name": "judged", "version": "1", "default_specialist": "chat",
+        "protocol": {"context_budget": {"max_tokens": 512}},
+        "specialists": {"chat": {"scorers": [
+            {"kind": "judge", "base_url": url, "model": "g", "model_version": "1", "rubric": "r", "timeout_s": 5}
+        ]}},
+    })  # fmt: skip
+
+
+def _answers(n: int) -> list[dict]:
+    return [
+        {
+            "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+            "metadata": {},
+        }
+        for i in range(n)
+    ]
+
+
+def test_a_judge_outage_hits_both_pairs_of_the_same_items():
+    """Found on main: each pair was scored whole, the champion first, and an unreachable judge scored 0: a judge
+    down for the champion's half and back for the candidate's promoted identical answers at +0.600. Now both
+    pairs are scored item by item, interleaved; an item unscored on either side is left out and counted, and
+    past `promotion.max_unscored_share` the step fails with one line."""
+    from pipeline.errors import RatchetError
+    from pipeline.evaluation import check_unscored, paired_values, score_both
+    from pipeline.harness import load_harness
+
+    harness = load_harness(ROOT / "harnesses" / "demo.yaml")
+    same = _answers(50)
+    judge = _FlakyJudge(down=range(0, 2))  # the champion's item 0 fails (its request and the client's retry)
+    try:
+        contract = _judged_contract(judge.url)
+        scored = score_both(contract, (harness, {"chat": same}), (harness, {"chat": same}))
+    finally:
+        judge.close()
+    champ, cand, unscored = paired_values(scored)
+    assert unscored == {"chat": [0]} and len(champ["chat"]) == len(cand["chat"]) == 49
+    assert compare_scores(champ, cand).delta == 0.0  # identical answers are identical
+    assert "judge request failed" in scored["chat"][0][0].error
+    with pytest.raises(RatchetError, match=r"1 of 50 held-out items \(2\.0%\).*max_unscored_share 0\.01"):
+        check_unscored(scored, unscored, 0.01)
+    check_unscored(scored, unscored, 0.02)  # at the default share: within it, the item left out
+
+
+def test_an_item_is_scored_on_its_final_turn():
+    from pipeline.contract import load_contract
+    from pipeline.evaluation import item_score
+    from pipeline.harness import load_harness
+
+    contract = load_contract(ROOT / "contracts" / "demo.yaml")
+    harness = load_harness(ROOT / "harnesses" / "demo.yaml")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 3
+    trace = {"messages": [*messages, {"role": "user", "content": "40+44=?"}, {"role": "assistant", "content": "99"}],
+             "metadata": {"expected": "84"}}  # fmt: skip
+    scored = item_score(contract, trace, harness=harness, specialist="chat")
+    assert scored.value < 0.2  # the wrong final answer, not the mean over the greetings (0.79)

@@ -296,6 +296,12 @@ class JudgeScorer(ScorerBase):
         default=None, description="Environment variable holding the API key, if any."
     )
     timeout_s: float = Field(default=30.0, gt=0, description="HTTP timeout (seconds).")
+    max_tokens: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description='Most tokens the judge may answer with: its reply must be only a number or `{"grade": N}`.',
+    )
 
 
 ScorerConfig = Annotated[
