@@ -5,8 +5,9 @@ Usage: python bench/dashboard.py [--backend sqlite|postgresql|all] [--rows 10000
 
 Seeds a registry: the demo contract, harness and base model; a lineage of N generations (a chain of
 promotions with rejected siblings, each with its evaluation, adapters, datasets with their examples and
-held-out items); ROWS traces over 4 specialists and 4 sources, some with feedback, each with its `total`
-and one scorer row (the newest 0.2% unscored); quarantine and audit rows. Then serves `create_app` with
+held-out items); ROWS traces over 4 specialists and 4 sources and 5 principals (NULL among them), some with
+counted or claimed feedback, each with its `total`, its `final` (one in ten not checked, some with a failed
+check) and one scorer row (the newest 0.2% unscored); quarantine and audit rows. Then serves `create_app` with
 uvicorn on 127.0.0.1 and times every list page and API over real HTTP (httpx, after a warm-up), each
 against the bare indexed SELECT of the rows it shows (the ids it returned, by primary key; for a page that
 found nothing, the same predicate over the ids it searched) on a connection of the same engine; the
@@ -99,7 +100,11 @@ def trace(i: int, rng: random.Random, s: str, gen_id: int | None, source: str, h
     feedback, roll = None, rng.random()
     if roll < 0.04:  # 3% rated, 1% corrected
         feedback = dump_json(
-            {"rating": rng.randint(1, 5)} if roll < 0.03 else {"correction": f"It is {a * b}."}
+            {"rating": rng.randint(1, 5)}
+            if roll < 0.02
+            else {"claimed": {"rating": 1, "rating_by": "anonymous"}}
+            if roll < 0.03
+            else {"correction": f"It is {a * b}."}
         )
     convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}, answer]
     route = {"turn": 2, "specialist": s, "reason": "signals", "scores": {s: {"keyword": 1.0}}}
@@ -114,6 +119,7 @@ def trace(i: int, rng: random.Random, s: str, gen_id: int | None, source: str, h
         generation_id=gen_id,
         harness_version_id=hv,
         completion_id=f"cmpl-{i}" if source == "deployment" else None,
+        principal=rng.choice(("anonymous", "crm", "operator", "ratchet", None)),
     )
 
 
@@ -259,9 +265,16 @@ def seed(url: str, n_rows: int, n_gens: int) -> None:
             s, value = SPECIALISTS[kinds[i - 1]], round(rng.betavariate(2, 1.2), 4)
             ok = value >= 0.8  # the demo contract's selection.min_score
             details = {"specialist": s, "verified": ok, "verified_by": [SCORER[s]] * ok}
+            checked = (i % 10) != 0
+            final = {
+                "turn": 2,
+                "verified_by": [SCORER[s]] * checked,
+                "failed": [SCORER[s]] * (checked and not ok),
+            }
             scores += [
                 ScoreRow(i, cv, "total", value, details, ok, s),
                 ScoreRow(i, cv, SCORER[s], float(ok), {}, ok, s),
+                ScoreRow(i, cv, "final", value, final, checked, s),
             ]
         with session_scope(engine) as session:
             if pg:  # the same rows, by COPY
@@ -322,14 +335,21 @@ def prepare(backend: str, args: argparse.Namespace, tmp: Path) -> str:
     engine, seeded = make_engine(url), None
     try:
         with engine.connect() as conn:
-            seeded = conn.exec_driver_sql(
-                "SELECT (SELECT max(id) FROM experience), (SELECT count(*) FROM generations), "
-                "(SELECT count(*) FROM quarantine)"
-            ).one()
+            seeded = (
+                conn.exec_driver_sql(  # (a seed from before `final` rows and principals has no 'final' row)
+                    "SELECT (SELECT max(id) FROM experience), (SELECT count(*) FROM generations), "
+                    "(SELECT count(*) FROM quarantine), "
+                    "(SELECT count(*) FROM scores WHERE scorer = 'final' AND experience_id = 1)"
+                ).one()
+            )
     except Exception:  # no registry there yet
         pass
     engine.dispose()
-    if not args.reseed and seeded is not None and tuple(seeded) == (args.rows, args.generations, QUARANTINED):
+    if (
+        not args.reseed
+        and seeded is not None
+        and tuple(seeded) == (args.rows, args.generations, QUARANTINED, 1)
+    ):
         print(f"  reusing the seeded registry at {url}")
     else:
         if backend == "sqlite":
@@ -363,9 +383,9 @@ def timed(fn, n: int) -> list[float]:
 
 # The rows an experience page shows, by primary key: the floor under any filter that found them.
 BARE_EXPERIENCE = (
-    "SELECT e.id, e.created_at, e.source, e.specialist, e.generation_id, e.messages, e.feedback, s.value, "
-    "s.verified FROM experience e LEFT JOIN scores s ON s.experience_id = e.id AND s.contract_version_id = :c "
-    "AND s.scorer = 'total' WHERE e.id IN :ids ORDER BY e.id DESC"
+    "SELECT e.id, e.created_at, e.source, e.specialist, e.principal, e.generation_id, e.messages, e.feedback, "
+    "s.value, s.verified, s.details FROM experience e LEFT JOIN scores s ON s.experience_id = e.id AND "
+    "s.contract_version_id = :c AND s.scorer = 'final' WHERE e.id IN :ids ORDER BY e.id DESC"
 )
 
 
@@ -386,6 +406,10 @@ def cases(conn, n_gens: int) -> tuple[list, list, int, int]:
         ("none", {}), ("limit=200", {"limit": 200}), ("specialist=coding", {"specialist": "coding"}),
         ("source=import", {"source": "import"}), (f"generation={g}", {"generation": g}),
         ("specialist+source", {"specialist": "coding", "source": "import"}), ("verified=yes", {"verified": "yes"}),
+        ("verified=failed", {"verified": "failed"}), ("verified=no", {"verified": "no"}),
+        ("principal=crm", {"principal": "crm"}), ("principal=(unknown)", {"principal": "(unknown)"}),
+        ("principal+specialist", {"principal": "crm", "specialist": "chat"}),
+        ("feedback=claimed", {"feedback": "claimed"}),
         ("verified=unscored", {"verified": "unscored"}), ("score 0.2..0.3", {"score_min": 0.2, "score_max": 0.3}),
         ("feedback=correction", {"feedback": "correction"}), (f"q={RARE} (~1%)", {"q": RARE}),
         (f"q={ABSENT} (none)", {"q": ABSENT}), (f"before={deep}", {"before": deep}),

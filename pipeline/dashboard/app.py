@@ -23,7 +23,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from pipeline.dashboard import charts, comparison, experience, provenance, records
+from pipeline.dashboard import charts, comparison, experience, provenance, records, trace
 from pipeline.dashboard import lineage as lineage_data
 from pipeline.dashboard.actions import action_routes
 from pipeline.dashboard.security import COOKIE, HEADERS, MAX_ID, Access, ForbiddenError, Id, artifact_file
@@ -282,8 +282,9 @@ def create_app(
         lineage: Lineage = lineage_name,
         turns_from: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
     ) -> dict[str, Any]:
-        """One trace turn by turn, with routes, views, summaries, scores, feedback and what it trained."""
-        return experience.trace_detail(
+        """One trace turn by turn, with routes, views, summaries, its principal and what its client claimed, its
+        final turn's verdict beside every score, feedback (counted and claimed) and what it trained."""
+        return trace.trace_detail(
             session=db, experience_id=experience_id, lineage=lineage, turn_offset=turns_from
         )
 

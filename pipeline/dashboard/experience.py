@@ -1,10 +1,18 @@
-"""What the dashboard shows of experience: filtered keyset pages of traces, and one trace turn by turn.
+"""What the dashboard shows of experience: filtered keyset pages of traces (one trace turn by turn is
+``trace``), and what a trace's final turn is worth.
 
 Pages go newest first by id (keyset: ``before``/``after`` an id, never an offset, never a count of the
-table). A filter an index serves (one of generation, specialist, source) is one indexed query. Any other
-filter (free text, score range, feedback, verification, or several at once) walks the ids downward in
+table). A filter an index serves (one of generation, specialist, source, principal) is one indexed query. Any
+other filter (free text, score range, feedback, verification, or several at once) walks the ids downward in
 windows until the page is full or a time budget is spent, and then says how far down it searched, so a
 rare match costs a bounded wait per page instead of a scan of a million rows.
+
+A trace's score and verdict are its ``final`` row's under the champion's contract (``scoring.trace``): the
+final assistant turn, the only one a trace can teach. Its verdict (``final_status``) is *passed* (a verifying
+check applied and none failed: the only one that may be learned from), *failed* (with the checks that
+failed), *not verified* (no verifying check applied: its score is form only, never shown as a pass), or
+*not scored* (no ``final`` row under that contract, e.g. scored before those rows existed). The ``total`` row
+(the mean over every scored turn) is shown on the trace page beside it, labelled, and never read as a verdict.
 """
 
 from __future__ import annotations
@@ -15,19 +23,58 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import and_, func, select
 
+from pipeline.eligibility import UNKNOWN_PRINCIPAL
 from pipeline.errors import NotFoundError
+from pipeline.registry.models import load_json
+from pipeline.scoring.trace import FINAL
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-__all__ = ["ExperienceQuery", "list_experience", "message_text", "trace_detail"]
+__all__ = [
+    "FAILED",
+    "NOT_SCORED",
+    "NOT_VERIFIED",
+    "PASSED",
+    "ExperienceQuery",
+    "champion_contract",
+    "failed_checks",
+    "final_status",
+    "list_experience",
+    "message_text",
+]
 
 SCAN_BUDGET_S = 0.15  # per page, for filters no index serves
 FIRST_WINDOW = 2_000  # ids in the first scanned window; the next ones are sized to the time left
-TURNS_PER_PAGE = 200  # messages of one trace per page
-VIEWS_PER_PAGE = 10  # each rebuilt view reads the conversation before it: bounded per page
 MAX_WINDOW = 160_000
 MIN_WINDOW = 1_000
+PASSED, FAILED, NOT_VERIFIED, NOT_SCORED = "passed", "failed", "not verified", "not scored"
+
+
+def final_status(*, scored: bool, verified: bool | None, failed: list[str]) -> str:
+    """A trace's verdict from its ``final`` row (see the module doc): ``scored`` (the row exists), its
+    ``verified`` (a verifying scorer applied to the final turn) and ``failed`` (the verifying checks on it
+    that failed). A failed check wins over anything the row says beside it."""
+    if not scored:
+        return NOT_SCORED
+    if failed:
+        return FAILED
+    return PASSED if verified else NOT_VERIFIED
+
+
+def failed_checks(raw: Any) -> list[str]:
+    """The ``failed`` list of a ``final`` row's details (the list, or its JSON text), as names; anything of
+    another shape is kept as one name, so that it still reads as a failure."""
+    if isinstance(raw, str):
+        try:
+            raw = load_json(raw)
+        except ValueError:
+            return [raw]
+    if raw is None:
+        return []
+    if isinstance(raw, list):
+        return [c if isinstance(c, str) else str(c) for c in raw]
+    return [str(raw)]
 
 
 class ExperienceQuery(BaseModel):
@@ -45,16 +92,26 @@ class ExperienceQuery(BaseModel):
     )
     specialist: str | None = Field(default=None, max_length=100, description="Traces of this specialist.")
     source: str | None = Field(default=None, max_length=32, description="deployment, simulation, import, ...")
-    score_min: float | None = Field(
-        default=None, description="Lowest contract total (the champion's contract)."
-    )
-    score_max: float | None = Field(default=None, description="Highest contract total.")
-    feedback: Literal["any", "none", "rating", "correction"] | None = Field(
-        default=None, description="Traces with any feedback, none, a rating, or a correction."
-    )
-    verified: Literal["yes", "no", "unscored"] | None = Field(
+    principal: str | None = Field(
         default=None,
-        description="Whether the contract verified the trace's outcome, or it is not scored yet.",
+        max_length=100,
+        description=f"Traces sent by this principal (an API key's name, `anonymous`, `operator`, `ratchet`; "
+        f"`{UNKNOWN_PRINCIPAL}`: served before principals were recorded).",
+    )
+    score_min: float | None = Field(
+        default=None, description="Lowest score of the final turn (under the champion's contract)."
+    )
+    score_max: float | None = Field(default=None, description="Highest score of the final turn.")
+    feedback: Literal["any", "none", "rating", "correction", "claimed"] | None = Field(
+        default=None,
+        description="Traces with any feedback, none, a counted rating, a counted correction, or feedback "
+        "kept as claimed (from a principal without the `rate`/`correct` scope; never scored).",
+    )
+    verified: Literal["yes", "failed", "no", "unscored"] | None = Field(
+        default=None,
+        description="The final turn's verdict under the champion's contract: `yes` passed (a verifying check "
+        "applied and none failed), `failed` (a verifying check failed), `no` not verified (no verifying check "
+        "applied), `unscored` (no final-turn score under that contract yet).",
     )
     q: str | None = Field(default=None, max_length=200, description="Text the conversation contains.")
     before: int | None = Field(
@@ -66,8 +123,8 @@ class ExperienceQuery(BaseModel):
     limit: int = Field(default=50, ge=1, le=200, description="Traces per page.")
 
     @field_validator(
-        "lineage", "generation", "specialist", "source", "score_min", "score_max", "feedback", "verified", "q",
-        "before", "after", mode="before",
+        "lineage", "generation", "specialist", "source", "principal", "score_min", "score_max", "feedback",
+        "verified", "q", "before", "after", mode="before",
     )  # fmt: skip
     @classmethod
     def _blank_is_unset(cls, value: Any) -> Any:
@@ -83,8 +140,8 @@ class ExperienceQuery(BaseModel):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A message's text (``serving.router.message_text``), else its tool calls as ``name(arguments)``."""
-    from pipeline.serving.router import message_text as content_text
+    """A message's text (``pipeline.messages.message_text``), else its tool calls as ``name(arguments)``."""
+    from pipeline.messages import message_text as content_text
 
     text = content_text(message)
     calls = message.get("tool_calls") or []
@@ -97,7 +154,8 @@ def message_text(message: dict[str, Any]) -> str:
     return text
 
 
-def _champion_contract(session: Session, lineage: str) -> int | None:
+def champion_contract(session: Session, lineage: str) -> int | None:
+    """The contract version of ``lineage``'s champion (what pages score traces under); None without one."""
     from pipeline.registry import get_champion
 
     champion = get_champion(session=session, lineage=lineage)
@@ -107,15 +165,19 @@ def _champion_contract(session: Session, lineage: str) -> int | None:
 def list_experience(
     *, session: Session, lineage: str, query: ExperienceQuery, budget_s: float = SCAN_BUDGET_S
 ) -> dict[str, Any]:
-    """One page of traces matching ``query``, newest first, with the cursors of the next pages."""
+    """One page of traces matching ``query``, newest first, with the cursors of the next pages. Each trace
+    carries its final turn's score and verdict under the champion's contract (``status``, ``verified``: it
+    passed, ``failed``: the checks that failed), its principal, and whether its feedback counts or is claimed."""
     from pipeline.registry import Generation, Score
     from pipeline.registry.experience import RAW_EXPERIENCE
 
     e, s = RAW_EXPERIENCE, Score.__table__
+    dialect = session.get_bind().dialect.name
     numbers = dict(
         session.execute(select(Generation.id, Generation.number).where(Generation.lineage == lineage)).all()
     )
-    contract_id = _champion_contract(session, lineage)
+    contract_id = champion_contract(session, lineage)
+    failed_text, failed_count = _failed_sql(s.c.details, dialect)
     conditions = []
     indexed = 0
     if query.generation is not None:
@@ -130,33 +192,39 @@ def list_experience(
     if query.source:
         conditions.append(e.c.source == query.source)
         indexed += 1
+    if query.principal:
+        unknown = query.principal == UNKNOWN_PRINCIPAL
+        conditions.append(e.c.principal.is_(None) if unknown else e.c.principal == query.principal)
+        indexed += 1
     scanned = indexed > 1
     if query.score_min is not None:
         conditions.append(s.c.value >= query.score_min)
     if query.score_max is not None:
         conditions.append(s.c.value <= query.score_max)
     if query.verified == "yes":
-        conditions.append(s.c.verified.is_(True))
+        conditions.append(and_(s.c.verified.is_(True), failed_count == 0))
+    elif query.verified == "failed":
+        conditions.append(and_(s.c.id.is_not(None), failed_count > 0))
     elif query.verified == "no":
-        conditions.append(s.c.verified.is_(False))
+        conditions.append(and_(s.c.id.is_not(None), s.c.verified.is_not(True), failed_count == 0))
     elif query.verified == "unscored":
         conditions.append(s.c.id.is_(None))
     if query.feedback == "none":
         conditions.append(e.c.feedback.is_(None))
     elif query.feedback == "any":
         conditions.append(and_(e.c.feedback.is_not(None), e.c.feedback != "null"))
-    elif query.feedback in ("rating", "correction"):
-        conditions.append(e.c.feedback.like(f'%"{query.feedback}"%'))
+    elif query.feedback is not None:  # a key at the top of the document: counted (or the claimed part)
+        conditions.append(_has_key(e.c.feedback, query.feedback, dialect))
     if query.q:
         pattern = "%" + query.q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         text_match = (
             e.c.messages.ilike(pattern, escape="\\")
-            if session.get_bind().dialect.name == "postgresql"
+            if dialect == "postgresql"
             else e.c.messages.like(pattern, escape="\\")  # SQLite's LIKE ignores ASCII case already
         )
         conditions.append(text_match)
     scanned = scanned or len(conditions) > indexed
-    prompt, answer, tool = _previews(e.c.messages, session.get_bind().dialect.name)
+    prompt, answer, tool = _previews(e.c.messages, dialect)
 
     def columns(*bounds: Any) -> Any:
         # the id window bounds the score side of the join too: PostgreSQL then probes the score index for
@@ -164,12 +232,12 @@ def list_experience(
         on = and_(
             s.c.experience_id == e.c.id,
             s.c.contract_version_id == contract_id,
-            s.c.scorer == "total",
+            s.c.scorer == FINAL,
             *bounds,
         )
         return select(
-            e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.generation_id, e.c.feedback, prompt, answer,
-            tool, s.c.value, s.c.verified,
+            e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.principal, e.c.generation_id, e.c.feedback,
+            prompt, answer, tool, s.c.id.label("score_id"), s.c.value, s.c.verified, failed_text,
         ).select_from(e.outerjoin(s, on))  # fmt: skip
 
     newer = query.after is not None and query.before is None
@@ -212,23 +280,7 @@ def list_experience(
     rows = rows[: query.limit]
     if newer:
         rows.reverse()
-    items = [
-        {
-            "id": r.id,
-            "created_at": r.created_at.isoformat()
-            if hasattr(r.created_at, "isoformat")
-            else str(r.created_at),
-            "source": r.source,
-            "specialist": r.specialist,
-            "generation": numbers.get(r.generation_id),
-            "prompt": _text(r.prompt),
-            "answer": _text(r.answer) or (f"tool call {_text(r.tool)}" if r.tool else ""),
-            "score": r.value,
-            "verified": r.verified,
-            "feedback": r.feedback not in (None, "null"),
-        }
-        for r in rows
-    ]
+    items = [_item(r, numbers) for r in rows]
     first_id, last_id = (items[0]["id"], items[-1]["id"]) if items else (None, None)
     if newer:  # walking up: older is where this page starts, newer where it ends or where the scan stopped
         older = last_id if last_id is not None and last_id > lowest else None
@@ -248,6 +300,75 @@ def list_experience(
         "contract_version_id": contract_id,
         "newest_id": highest,
     }
+
+
+def _item(r: Any, numbers: dict[int, int]) -> dict[str, Any]:
+    """One row of the list as the API returns it."""
+    scored = r.score_id is not None
+    failed = failed_checks(r.failed) if scored else []
+    status = final_status(scored=scored, verified=r.verified, failed=failed)
+    feedback = _feedback_doc(r.feedback)
+    return {
+        "id": r.id,
+        "created_at": r.created_at.isoformat() if hasattr(r.created_at, "isoformat") else str(r.created_at),
+        "source": r.source,
+        "specialist": r.specialist,
+        "principal": r.principal,  # None: served before principals were recorded
+        "generation": numbers.get(r.generation_id),
+        "prompt": _text(r.prompt),
+        "answer": _text(r.answer) or (f"tool call {_text(r.tool)}" if r.tool else ""),
+        "score": r.value if scored else None,  # the final turn's, whatever its verdict: read ``status``
+        "status": status,
+        "verified": None if status == NOT_SCORED else status == PASSED,
+        "failed": failed,
+        "feedback": feedback is not None,
+        "feedback_counted": isinstance(feedback, dict) and ("rating" in feedback or "correction" in feedback),
+        "feedback_claimed": isinstance(feedback, dict) and "claimed" in feedback,
+    }
+
+
+def _feedback_doc(text: str | None) -> Any:
+    """A trace's stored feedback document (None when there is none); text that is not JSON stays text."""
+    if text is None or text == "null":
+        return None
+    try:
+        return load_json(text)
+    except ValueError:
+        return text
+
+
+def _failed_sql(details: Any, dialect: str) -> tuple[Any, Any]:
+    """SQL for a score row's ``details.failed``: its JSON text (for display) and how many checks it names (a
+    list's length; 0 when absent or null; 1 for anything else, which ``failed_checks`` shows as one)."""
+    from sqlalchemy import case, cast
+
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import JSONB
+
+        doc = cast(details, JSONB)["failed"]
+        kind, length, text = func.jsonb_typeof(doc), func.jsonb_array_length(doc), doc.astext
+    else:
+        kind = func.json_type(details, "$.failed")
+        length, text = func.json_array_length(details, "$.failed"), func.json_extract(details, "$.failed")
+    count = case((kind == "array", length), (kind.is_(None) | (kind == "null"), 0), else_=1)
+    return text.label("failed"), count
+
+
+def _has_key(feedback: Any, key: str, dialect: str) -> Any:
+    """SQL: the stored feedback document has ``key`` at its top (a counted ``rating`` or ``correction``, or the
+    ``claimed`` part) -- not merely somewhere inside it, as a claimed rating is. The LIKE goes first: it
+    rules out most documents without parsing them."""
+    from sqlalchemy import case, cast
+
+    quoted = f'%"{key}"%'
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import JSONB
+
+        return and_(feedback.like(quoted), cast(feedback, JSONB)[key].is_not(None))
+    return and_(
+        feedback.like(quoted),
+        case((func.json_valid(feedback) == 1, func.json_type(feedback, f"$.{key}")), else_=None).is_not(None),
+    )
 
 
 PREVIEW_CHARS = 200
@@ -285,188 +406,3 @@ def _previews(messages: Any, dialect: str) -> tuple[Any, Any, Any]:
 def _text(value: Any) -> str:
     text = "" if value is None else str(value)
     return text[:PREVIEW_CHARS] + ("…" if len(text) > PREVIEW_CHARS else "")
-
-
-def _views(
-    row: Any, messages: list[dict[str, Any]], routes: dict[int, dict[str, Any]], summaries: dict[str, str],
-    wanted: set[int],
-) -> dict[int, Any]:  # fmt: skip
-    """What the specialist of each turn in ``wanted`` was shown, rebuilt from the trace's routes and summaries
-    under the harness that served it (the context policy, exemplars and ``keep_turns``; the token budget's
-    trimming needs the model's tokenizer and is not redone here)."""
-    from pipeline.errors import RatchetError
-    from pipeline.harness import HarnessSpec
-    from pipeline.serving.views import TurnMemory, TurnRecord, build_view
-
-    if row.harness_version is None:
-        return {}
-    harness = HarnessSpec.model_validate(row.harness_version.spec)
-    memory = TurnMemory()
-    views: dict[int, Any] = {}
-    for i, m in enumerate(messages[: max(wanted) + 1]):
-        route = routes.get(i)
-        if m.get("role") != "assistant" or route is None:
-            continue
-        if i in wanted:
-            try:
-                views[i] = build_view(messages[:i], route["specialist"], harness=harness, memory=memory,
-                                      count_tokens=lambda _view: 0, max_new_tokens=0)  # fmt: skip
-            except (RatchetError, TypeError, ValueError, AttributeError) as exc:  # a trace of odd shape
-                views[i] = f"cannot rebuild this view: {exc}"
-        memory.remember(m, TurnRecord(route["specialist"], summaries.get(str(i), "")))
-    return views
-
-
-def _number_or_text(value: Any) -> float | str:
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
-
-
-def _routes(raw: Any) -> dict[int, dict[str, Any]]:
-    """The trace's route entries by turn, as the dashboard shows them (entries of another shape left out)."""
-    out: dict[int, dict[str, Any]] = {}
-    for r in raw if isinstance(raw, list) else []:
-        turn = r.get("turn") if isinstance(r, dict) else None
-        if not isinstance(turn, int) or isinstance(turn, bool):
-            continue
-        scores = r.get("scores") if isinstance(r.get("scores"), dict) else {}
-        out[turn] = {
-            "turn": turn,
-            "specialist": str(r.get("specialist", "")),
-            "reason": str(r.get("reason", "")),
-            "scores": {
-                str(k): (
-                    {str(a): _number_or_text(b) for a, b in v.items()}
-                    if isinstance(v, dict)
-                    else {"": str(v)}
-                )
-                for k, v in scores.items()
-            },
-        }
-    return out
-
-
-def trace_detail(
-    *, session: Session, experience_id: int, lineage: str, turn_offset: int = 0
-) -> dict[str, Any]:
-    """One trace turn by turn (``TURNS_PER_PAGE`` messages from ``turn_offset``): each turn's route decision
-    (specialist, reason, signal scores), the view the specialist answered from (for the newest
-    ``VIEWS_PER_PAGE`` served turns of the page) and its hidden summary where it was served, every scorer's
-    score under every contract version (and replaced scores), feedback, and the adapters it trained. The
-    trace is untrusted: routes, scores and summaries of an unexpected shape are left out or shown as text."""
-    from sqlalchemy.orm import selectinload
-
-    from pipeline.registry import (
-        ContractVersion,
-        DatasetExample,
-        Experience,
-        Generation,
-        GenerationAdapter,
-        Score,
-        ScoreHistory,
-        TrainingDataset,
-    )
-
-    row = session.scalar(
-        select(Experience)
-        .where(Experience.id == experience_id)
-        .options(selectinload(Experience.harness_version))
-    )
-    if row is None:
-        raise NotFoundError(f"no trace {experience_id}")
-    messages = [m for m in (row.messages if isinstance(row.messages, list) else []) if isinstance(m, dict)]
-    routes = _routes(row.routes)
-    meta = dict(row.meta) if isinstance(row.meta, dict) else {"value": row.meta}
-    summaries = meta.pop("summaries", None)
-    summaries = {str(k): str(v) for k, v in summaries.items()} if isinstance(summaries, dict) else {}
-    window = range(max(0, turn_offset), min(len(messages), max(0, turn_offset) + TURNS_PER_PAGE))
-    shown = [i for i in window if i in routes and messages[i].get("role") == "assistant"][-VIEWS_PER_PAGE:]
-    views = _views(row, messages, routes, summaries, set(shown)) if shown else {}
-    turns = []
-    for i in window:
-        m = messages[i]
-        turns.append(
-            {
-                "index": i,
-                "role": str(m.get("role", "?")),
-                "text": message_text(m) if not m.get("tool_calls") else str(m.get("content") or ""),
-                "tool_calls": m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else [],
-                "tool_call_id": m.get("tool_call_id"),
-                "route": routes.get(i),
-                "summary": summaries.get(str(i)),
-                "view": views.get(i),
-            }
-        )
-    contracts = {
-        c.id: f"{c.name} {c.version}"
-        for c in session.scalars(
-            select(ContractVersion).where(
-                ContractVersion.id.in_(select(Score.contract_version_id).where(Score.experience_id == row.id))
-            )
-        )
-    }
-    scores: dict[str, list[dict[str, Any]]] = {}
-    for sc in session.scalars(select(Score).where(Score.experience_id == row.id).order_by(Score.scorer)):
-        scores.setdefault(contracts.get(sc.contract_version_id, str(sc.contract_version_id)), []).append(
-            {"scorer": sc.scorer, "value": sc.value, "verified": sc.verified, "details": sc.details}
-        )
-    history = [
-        {
-            "scorer": h.scorer,
-            "value": h.value,
-            "verified": h.verified,
-            "reason": h.reason,
-            "superseded_at": h.superseded_at.isoformat(),
-        }  # fmt: skip
-        for h in session.scalars(
-            select(ScoreHistory).where(ScoreHistory.experience_id == row.id).order_by(ScoreHistory.id)
-        )
-    ]
-    trained = session.execute(
-        select(
-            Generation.lineage, Generation.number, GenerationAdapter.specialist, GenerationAdapter.adapter_id
-        )
-        .select_from(DatasetExample)
-        .join(TrainingDataset, TrainingDataset.id == DatasetExample.dataset_id)
-        .join(Generation, Generation.id == TrainingDataset.generation_id)
-        .join(
-            GenerationAdapter,
-            and_(
-                GenerationAdapter.generation_id == Generation.id,
-                GenerationAdapter.specialist == TrainingDataset.specialist,
-            ),
-        )
-        .where(DatasetExample.experience_id == row.id)
-        .order_by(Generation.number)
-    ).all()
-    generation = session.get(Generation, row.generation_id) if row.generation_id else None
-    return {
-        "id": row.id,
-        "lineage": lineage,
-        "source": row.source,
-        "specialist": row.specialist,
-        "generation": generation.number if generation else None,
-        "generation_lineage": generation.lineage if generation else None,
-        "harness": (
-            f"{row.harness_version.name} {row.harness_version.version}" if row.harness_version else None
-        ),
-        "created_at": row.created_at.isoformat(),
-        "completion_id": row.completion_id,
-        "turns": turns,
-        "turn_count": len(messages),
-        "turn_offset": window.start,
-        "next_turns": window.stop if window.stop < len(messages) else None,
-        "previous_turns": max(0, window.start - TURNS_PER_PAGE) if window.start > 0 else None,
-        "metadata": meta,
-        "feedback": row.feedback,
-        "scores": scores,
-        "score_history": history,
-        "trained": [
-            {
-                "lineage": t.lineage,
-                "generation": t.number,
-                "specialist": t.specialist,
-                "adapter_id": t.adapter_id,
-            }
-            for t in trained
-        ],
-    }

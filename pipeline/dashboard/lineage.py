@@ -164,7 +164,8 @@ def generation_detail(
 ) -> dict[str, Any]:
     """Everything behind one generation's decision: versions, adapters (MLflow run, dataset, loss curve),
     held-out scores against the parent per specialist with deltas and intervals, the gate's verdict,
-    router accuracy and confusion, and what curation kept and dropped."""
+    router accuracy and confusion, and what curation kept and dropped (by specialist and reason, and by the
+    principal whose turn it was and reason)."""
     from pipeline.contract import stored_contract
     from pipeline.promotion import t_quantile  # the gates' own quantiles: the page shows what they computed
     from pipeline.registry import Generation, TrainingDataset
@@ -231,6 +232,12 @@ def generation_detail(
     kept = {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()}
     dropped = curate.get("dropped") or {}
     reasons = sorted({r for per in dropped.values() for r in per})
+    by_principal = curate.get("dropped_by_principal")  # absent: curated before principals were recorded
+    principal_reasons = (
+        sorted({r for per in by_principal.values() if isinstance(per, dict) for r in per})
+        if isinstance(by_principal, dict)
+        else []
+    )
     return {
         "lineage": lineage,
         "number": gen.number,
@@ -276,6 +283,8 @@ def generation_detail(
             "kept": kept,
             "dropped": dropped,
             "reasons": reasons,
+            "dropped_by_principal": by_principal,  # principal -> reason -> turns (``Drops.principals``)
+            "principal_reasons": principal_reasons,
             "skipped": {
                 s: d["skipped"] for s, d in (curate.get("datasets") or {}).items() if d.get("skipped")
             },

@@ -1,6 +1,6 @@
 """What the dashboard shows of an adapter's provenance: the dataset it was trained on and the traces in it
 (keyset pages), its parent, the generations that use it. The other direction, a trace's adapters, is in
-``experience.trace_detail``."""
+``trace.trace_detail``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def adapter_detail(
     *, session: Session, adapter_id: int, before: int | None = None, limit: int = 50
 ) -> dict[str, Any]:
     """An adapter's provenance: its dataset (sha256, rows) and the traces in it (keyset pages, newest
-    first), its parent adapter, the generations that use it, and its self-describing files."""
+    first, each with who sent it), its parent adapter, the generations that use it, and its self-describing
+    files."""
     from pipeline.registry import (
         Adapter,
         DatasetExample,
@@ -56,7 +57,13 @@ def adapter_detail(
     next_before = None
     if dataset is not None:
         q = (
-            select(Experience.id, Experience.source, Experience.specialist, Experience.created_at)
+            select(
+                Experience.id,
+                Experience.source,
+                Experience.specialist,
+                Experience.principal,
+                Experience.created_at,
+            )
             .join(DatasetExample, DatasetExample.experience_id == Experience.id)
             .where(DatasetExample.dataset_id == dataset.id)
         )
@@ -68,6 +75,7 @@ def adapter_detail(
                 "id": r.id,
                 "source": r.source,
                 "specialist": r.specialist,
+                "principal": r.principal,  # who sent it (None: served before principals were recorded)
                 "created_at": r.created_at.isoformat(),
             }
             for r in rows[:limit]

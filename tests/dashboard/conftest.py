@@ -1,6 +1,8 @@
 """A registry the dashboard tests read: the demo contract on the small base, two real advancement cycles,
-conversations served by the real server (two turns, a tool call, hostile text), and a quarantined line.
-Built once per session; a test that acts (promote, rollback, re-score) works on a copy (``acting_home``)."""
+conversations served by the real server (two turns, a tool call, hostile text; an anonymous client's claimed
+metadata and feedback; a keyed client's certified reference answer that the model misses, with its counted
+rating), and a quarantined line. Built once per session; a test that acts (promote, rollback, re-score)
+works on a copy (``acting_home``)."""
 
 from __future__ import annotations
 
@@ -18,25 +20,42 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # served (the tiny model's window is 64 characters) and ingested: text a browser would run if it were markup
 SERVED_HOSTILE = "<script>window.__pwned=1</script>"
 HOSTILE = '<img src=x onerror="window.__pwned = 2"><a href="javascript:window.__pwned=3">open</a>'
+# an anonymous client's turn: what it attaches is kept as `claimed` (shown, never scored)
+CLAIMED_PROMPT, CLAIMED_METADATA = "2+2=?", {"expected": "4", "note": SERVED_HOSTILE}
+CLAIMED_FEEDBACK = {"rating": 1.0, "correction": HOSTILE}
+# a client whose key may certify, rate and correct: its reference answer counts, and the model misses it
+KEY_NAME, KEY_SCOPES = "crm-backend", frozenset({"chat", "certify", "rate", "correct"})
+CERTIFIED_PROMPT, CERTIFIED_METADATA, CERTIFIED_RATING = "7+8=?", {"expected": "no digit answers this"}, 0.0
 
 
 def _served(url: str) -> list[str]:
-    """Conversations through the real Mixture-of-LoRA server; returns their completion ids."""
+    """Conversations through the real Mixture-of-LoRA server, anonymous and with a key the operator granted
+    ``certify``, ``rate`` and ``correct``; returns their completion ids."""
     from serving.support import ServerThread
 
+    from pipeline.registry import create_api_key, get_engine, session_scope
     from pipeline.serving.served import ServeConfig
     from pipeline.serving.server import create_app
 
-    config = ServeConfig(registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05)
+    with session_scope(get_engine(url)) as session:
+        _, key = create_api_key(session=session, name=KEY_NAME, scopes=KEY_SCOPES, actor="operator")
+    config = ServeConfig(
+        registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05, allow_anonymous=True
+    )
     ids = []
     with ServerThread(create_app(config)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
 
-        def ask(messages: list[dict], **extra) -> dict:
+        def ask(messages: list[dict], headers: dict | None = None, **extra) -> dict:
             body = {"model": "ratchet", "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
-            reply = client.post("/v1/chat/completions", json=body)
+            reply = client.post("/v1/chat/completions", json=body, headers=headers)
             assert reply.status_code == 200, (messages, reply.text)
             ids.append(reply.json()["id"])
             return reply.json()["choices"][0]["message"]
+
+        def rate(headers: dict | None = None, **feedback) -> dict:
+            reply = client.post("/v1/feedback", json={"completion_id": ids[-1], **feedback}, headers=headers)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["counted"]
 
         first = [{"role": "user", "content": "12+35=?"}]
         answer = ask(first)
@@ -48,6 +67,11 @@ def _served(url: str) -> list[str]:
             ]
         )
         ask([{"role": "user", "content": SERVED_HOSTILE}])
+        ask([{"role": "user", "content": CLAIMED_PROMPT}], metadata=CLAIMED_METADATA)
+        assert rate(**CLAIMED_FEEDBACK) == {"rating": False, "correction": False}
+        keyed = {"Authorization": f"Bearer {key}"}
+        ask([{"role": "user", "content": CERTIFIED_PROMPT}], headers=keyed, metadata=CERTIFIED_METADATA)
+        assert rate(headers=keyed, rating=CERTIFIED_RATING) == {"rating": True}
     return ids
 
 
@@ -123,7 +147,8 @@ def acting_home(dashboard_home, tmp_path) -> Path:
 
 
 def served_trace_ids(settings: Settings) -> dict[str, int]:
-    """The served traces by kind: the two-turn conversation and the hostile one."""
+    """The served traces by kind: the two-turn conversation, the hostile one, the anonymous one with claims
+    (``claimed``), the keyed one whose certified check failed (``certified``), and the ingested hostile one."""
     from sqlalchemy import select
 
     from pipeline.registry import Experience, get_engine, session_scope
@@ -137,6 +162,10 @@ def served_trace_ids(settings: Settings) -> dict[str, int]:
     for i, messages in rows:
         if "window.__pwned" in messages[0]["content"]:
             out["hostile"] = i
+        elif messages[0]["content"] == CLAIMED_PROMPT:
+            out["claimed"] = i
+        elif messages[0]["content"] == CERTIFIED_PROMPT:
+            out["certified"] = i
         elif len(messages) > 2:
             out["two_turns"] = i
     return out

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from dashboard.conftest import served_trace_ids
+from dashboard.conftest import (
+    CERTIFIED_METADATA,
+    CERTIFIED_RATING,
+    CLAIMED_FEEDBACK,
+    CLAIMED_METADATA,
+    HOSTILE,
+    KEY_NAME,
+    SERVED_HOSTILE,
+    served_trace_ids,
+)
 from pipeline.dashboard import create_app
 from pipeline.registry import (
     Adapter,
@@ -139,6 +149,10 @@ def test_provenance_both_ways(client, read_settings):
         if before is None:
             break
     assert set(seen) == in_file and len(seen) == len(in_file) and seen == sorted(seen, reverse=True)
+    principals = {
+        t["principal"] for t in page["traces"]
+    }  # who taught it: the loop's practice, the operator's
+    assert principals and principals <= {"ratchet", "operator"}
     assert page["dataset"]["sha256"] == adapter["dataset"]["sha256"]
     trace = client.get(f"/api/experience/{seen[0]}").json()
     assert any(t["adapter_id"] == adapter["adapter_id"] and t["generation"] == 1 for t in trace["trained"])
@@ -224,9 +238,142 @@ def test_hostile_text_is_shown_as_text(client, read_settings):
     )
     listing = client.get("/experience", params={"q": "pwned"}).text
     assert "<img src=x" not in listing and "<script>window" not in listing
+    claimed = client.get(f"/experience/{ids['claimed']}").text  # claimed metadata and feedback: text too
+    assert "<script>window.__pwned" not in claimed and "<img src=x" not in claimed
+    assert SERVED_HOSTILE.replace("<", "&lt;").replace(">", "&gt;") in claimed
+    assert "&lt;img src=x onerror=" in claimed and HOSTILE not in claimed
     quarantine = client.get("/quarantine").text
     assert "&lt;script&gt;window.__pwned = 4" in quarantine and "<script>window.__pwned" not in quarantine
     assert "script-src" not in page.headers["content-security-policy"]  # default-src 'none': no script at all
+
+
+def _element(html: str, element_id: str) -> str:
+    """The text of the element with ``element_id`` (tags dropped, entities kept)."""
+    found = re.search(rf'<(\w+)[^>]*\bid="{element_id}"[^>]*>(.*?)</\1>', html, re.S)
+    assert found, f"no #{element_id} on the page"
+    return re.sub(r"<[^>]+>", "", found.group(2))
+
+
+def _list_row(html: str, trace_id: int) -> str:
+    """The text of the experience list's row of ``trace_id``."""
+    found = re.search(rf"<tr>(?:(?!</tr>).)*>#{trace_id}</a>.*?</tr>", html, re.S)
+    assert found, f"no row of trace {trace_id}"
+    return re.sub(r"<[^>]+>", " ", found.group(0))
+
+
+def test_an_anonymous_turn_shows_its_claims_as_claimed_and_is_not_verified(client, read_settings):
+    """An anonymous client's metadata and feedback are shown under labels that say they were claimed and never
+    scored; its final turn, which no verifying check applied to, reads "not verified" where a pass would be
+    (never its form score), and every score stays shown, labelled."""
+    trace = served_trace_ids(read_settings)["claimed"]
+    data = client.get(f"/api/experience/{trace}").json()
+    assert data["principal"] == "anonymous"
+    assert data["claimed_metadata"] == CLAIMED_METADATA and "expected" not in data["metadata"]
+    assert data["counted_feedback"] == []
+    assert data["claimed_feedback"] == [
+        {"field": "rating", "value": CLAIMED_FEEDBACK["rating"], "by": "anonymous"},
+        {"field": "correction", "value": CLAIMED_FEEDBACK["correction"], "by": "anonymous"},
+    ]
+    verdict = data["verdict"]
+    assert (
+        verdict["status"] == "not verified" and verdict["verified"] is False and verdict["value"] is not None
+    )
+    scorers = {r["scorer"] for rows in data["scores"].values() for r in rows}
+    assert {"total", "final", "length"} <= scorers
+    page = client.get(f"/experience/{trace}").text
+    shown = _element(page, "final-turn")
+    assert "not verified" in shown and f"{verdict['value']:.3f}" not in shown
+    assert "anonymous" in _element(page, "principal")
+    claimed = _element(page, "claimed-metadata")
+    assert "claimed by the client" in claimed and "never scored" in claimed and "expected" in claimed
+    assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in claimed
+    claimed_feedback = _element(page, "claimed-feedback")
+    assert "never scored" in claimed_feedback and "&lt;img src=x onerror=" in claimed_feedback
+    assert "<script>window.__pwned" not in page and "<img src=x" not in page
+    assert "mean over the scored turns" in page and "final assistant turn" in page  # both scores, labelled
+    listing = client.get("/api/experience", params={"principal": "anonymous", "limit": 200}).json()["traces"]
+    mine = next(t for t in listing if t["id"] == trace)
+    assert (mine["status"], mine["verified"], mine["principal"]) == ("not verified", False, "anonymous")
+    row = _list_row(client.get("/experience", params={"principal": "anonymous"}).text, trace)
+    assert "not verified" in row and f"{mine['score']:.3f}" not in row and "claimed" in row
+
+
+def test_a_failed_check_is_not_shown_as_verified(client, read_settings):
+    """A turn whose certified reference answer the model missed: a verifying scorer applied to it (the total
+    row says so), but the check failed -- the pages say "failed: <checks>", never verified, and its counted
+    rating says who gave it."""
+    trace = served_trace_ids(read_settings)["certified"]
+    (total_verified,) = _rows(
+        read_settings, select(Score.verified).where(Score.experience_id == trace, Score.scorer == "total")
+    )[0]
+    assert total_verified is True  # what the pages read before: "verified"
+    data = client.get(f"/api/experience/{trace}").json()
+    assert data["principal"] == KEY_NAME and data["claimed_metadata"] is None
+    assert data["metadata"]["expected"] == CERTIFIED_METADATA["expected"]
+    assert data["counted_feedback"] == [{"field": "rating", "value": CERTIFIED_RATING, "by": KEY_NAME}]
+    assert data["claimed_feedback"] == []
+    verdict = data["verdict"]
+    assert (
+        verdict["status"] == "failed" and verdict["verified"] is False and "exact_match" in verdict["failed"]
+    )
+    page = client.get(f"/experience/{trace}").text
+    shown = _element(page, "final-turn")
+    assert "failed: " in shown and "exact_match" in shown and "passed" not in shown
+    counted = _element(page, "counted-feedback")
+    assert "rating" in counted and f"by {KEY_NAME}" in counted
+    listing = client.get("/api/experience", params={"principal": KEY_NAME}).json()["traces"]
+    assert [(t["id"], t["status"], t["verified"]) for t in listing] == [(trace, "failed", False)]
+    assert "exact_match" in listing[0]["failed"]
+    passed = client.get("/api/experience", params={"verified": "yes", "limit": 200}).json()["traces"]
+    assert passed and trace not in {t["id"] for t in passed} and all(t["status"] == "passed" for t in passed)
+    failed = client.get("/api/experience", params={"verified": "failed", "limit": 200}).json()["traces"]
+    assert trace in {t["id"] for t in failed}
+    row = _list_row(client.get("/experience", params={"principal": KEY_NAME}).text, trace)
+    assert "failed: " in row and "exact_match" in row and KEY_NAME in row
+
+
+def test_a_trace_scored_before_final_rows_reads_not_scored(acting_home):
+    """A trace whose scores under a contract were written before ``final`` rows existed (its ``total`` says
+    verified) is not scored under the final-turn rules: the pages say so and never show it as verified."""
+    from sqlalchemy import delete
+
+    from pipeline.registry import dispose_engines
+
+    settings = Settings(home=acting_home)
+    trace = served_trace_ids(settings)["certified"]
+    with session_scope(get_engine(settings.registry_url)) as s:
+        s.execute(delete(Score).where(Score.experience_id == trace, Score.scorer == "final"))
+    dispose_engines()
+    with TestClient(create_app(settings, allowed_hosts=["testserver"])) as c:
+        data = c.get(f"/api/experience/{trace}").json()
+        assert data["verdict"]["status"] == "not scored" and data["verdict"]["legacy"] is True
+        assert data["verdict"]["verified"] is False and data["verdict"]["total"] is not None
+        shown = _element(c.get(f"/experience/{trace}").text, "final-turn")
+        assert "not scored" in shown and "scored before final-turn scores were recorded" in shown
+        (row,) = c.get("/api/experience", params={"principal": KEY_NAME}).json()["traces"]
+        assert (row["status"], row["verified"], row["score"]) == ("not scored", None, None)
+        unscored = c.get("/api/experience", params={"verified": "unscored", "limit": 200}).json()["traces"]
+        assert trace in {t["id"] for t in unscored}
+
+
+def test_generation_page_shows_curation_drops_by_principal(client, read_settings):
+    (state,) = _rows(read_settings, select(Generation.state).where(Generation.number == 1))[0]
+    stored = state["steps"]["curate"]["dropped_by_principal"]
+    assert stored  # the loop's own practice below the threshold, at least
+    data = client.get("/api/generations/1").json()
+    assert data["curation"]["dropped_by_principal"] == stored
+    page = client.get("/generations/1").text
+    table = re.search(r'<table id="dropped-by-principal">(.*?)</table>', page, re.S)
+    assert table, "no table of drops by principal"
+    rows = [
+        re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r)
+        for r in re.findall(r"<tr>(.*?)</tr>", table.group(1), re.S)
+    ]
+    header, body = rows[0], rows[1:]
+    shown = {
+        r[0]: {reason: int(n) for reason, n in zip(header[1:], r[1:], strict=True) if n != "0"} for r in body
+    }
+    assert shown == stored
 
 
 @pytest.mark.parametrize(
@@ -486,6 +633,51 @@ def test_hostile_shapes_render_as_text_and_long_traces_are_paged(acting_home, tm
             and later["next_turns"] is None
             and later["previous_turns"] == 5700
         )
+
+
+def test_hostile_principals_claims_and_drops_render_as_text(acting_home):
+    """Principals, claims, counted feedback and curation's drops by principal of any shape (as another writer
+    might have stored them) render as escaped text on every page that shows them, and the API answers."""
+    from pipeline.registry import TraceRow, dispose_engines, insert_traces
+
+    settings = Settings(home=acting_home)
+    engine = get_engine(settings.registry_url)
+    marks = ["<b>who</b>", "<i>not a dict</i>", "<b>5</b>", "<i>by</i>", "<b>k</b>", "<i>v</i>", "<i>list</i>",
+             "<i>nor an object</i>", "<b>mallory</b>", "<i>why</i>", "<b>n</b>", "<i>eve</i>"]  # fmt: skip
+    odd = [  # (principal, metadata, feedback)
+        ("<b>who</b>", {"claimed": "<i>not a dict</i>"}, {"claimed": "<i>not a dict</i>", "rating": "<b>5</b>",
+                                                          "rating_by": {"x": "<i>by</i>"}}),
+        ("x", {"claimed": {"<b>k</b>": "<i>v</i>"}}, {"claimed": {"correction": ["<i>list</i>"], "correction_by": 7}}),
+        (None, {"claimed": None}, "<i>nor an object</i>"),
+    ]  # fmt: skip
+    messages = json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    with session_scope(engine) as s:
+        insert_traces(session=s, rows=[
+            TraceRow(content_hash=f"claims-{i}", messages=messages, metadata=json.dumps(m), feedback=json.dumps(f),
+                     routes="[]", specialist="chat", source="deployment", principal=who)
+            for i, (who, m, f) in enumerate(odd)
+        ])  # fmt: skip
+        ids = list(s.scalars(select(Experience.id).where(Experience.content_hash.like("claims-%"))))
+        gen = s.scalar(select(Generation).where(Generation.number == 1))
+        state = json.loads(json.dumps(gen.state))
+        state["steps"]["curate"]["dropped_by_principal"] = {
+            "<b>mallory</b>": {"<i>why</i>": 3, "over cap": "<b>n</b>"},
+            "<i>eve</i>": "<i>not a dict</i>",
+        }
+        gen.state = state
+    dispose_engines()
+    with TestClient(create_app(settings, allowed_hosts=["testserver"])) as c:
+        pages = [c.get(f"/experience/{i}") for i in ids]
+        pages += [c.get("/experience", params={"principal": "<b>who</b>"}), c.get("/experience"),
+                  c.get("/generations/1")]  # fmt: skip
+        for page in pages:
+            assert page.status_code == 200, page.text[:300]
+            assert not [m for m in marks if m in page.text], page.url
+        assert "&lt;b&gt;who&lt;/b&gt;" in pages[0].text and "&lt;b&gt;who&lt;/b&gt;" in pages[3].text
+        assert "&lt;b&gt;mallory&lt;/b&gt;" in pages[-1].text
+        for i in ids:
+            assert c.get(f"/api/experience/{i}").status_code == 200
+        assert c.get("/api/generations/1").json()["curation"]["dropped_by_principal"]["<b>mallory</b>"]
 
 
 def test_other_hosts_huge_ids_short_tokens(read_settings):

@@ -1,7 +1,7 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by Playwright (never a downloaded
 browser). Opens the lineage, clicks through a generation to its item comparison and one item's answers,
-filters experience, opens a served trace with its route decision, checks that injected script never ran,
-signs in and promotes through the form. Screenshots go to the test's temp dir."""
+filters experience, opens a served trace with its route decision and an anonymous one with what its client
+claimed, checks that injected script never ran, signs in and promotes through the form. Screenshots go to the test's temp dir."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         page.wait_for_url("**/generations/1")
         assert page.locator("#heldout tr").count() == 6  # header, four specialists, overall
         assert page.locator("#verdict").inner_text() in ("promote", "reject")
+        assert page.locator("#dropped-by-principal tr").count() >= 2  # a header and a principal at least
         page.screenshot(path=str(shots / "generation.png"), full_page=True)
 
         page.get_by_text("Item-level comparison").click()
@@ -81,7 +82,13 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         page.locator("details summary", has_text="was shown").last.click()
         page.screenshot(path=str(shots / "trace.png"), full_page=True)
 
-        for hostile in (ids["hostile"], ids["ingested_hostile"]):
+        page.goto(f"{srv.url}/experience/{ids['claimed']}")
+        assert page.locator("#final-turn").inner_text().startswith("Final turn")
+        assert "not verified" in page.locator("#final-turn").inner_text()
+        assert "claimed by the client" in page.locator("#claimed-metadata").inner_text()
+        page.screenshot(path=str(shots / "claimed.png"), full_page=True)
+
+        for hostile in (ids["hostile"], ids["ingested_hostile"], ids["claimed"]):
             page.goto(f"{srv.url}/experience/{hostile}")
             assert page.evaluate("typeof window.__pwned") == "undefined"
             assert (
@@ -108,4 +115,4 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         assert "dashboard:session" in page.locator("#audit").inner_text()
         page.screenshot(path=str(shots / "audit.png"), full_page=True)
     assert not [e for e in errors if "Content Security Policy" not in e], errors
-    assert len(list(shots.glob("*.png"))) == 7
+    assert len(list(shots.glob("*.png"))) == 8
