@@ -2,44 +2,78 @@
 
 ``resolve_suites(contract)`` gives the items of every held-out suite. ``heldout_index(contract)`` is the
 exclusion predicate every consumer of experience goes through (curation, co-design exemplars, router
-training data: ``pipeline.eligibility.load_candidates`` applies it before anything else sees a trace):
+training data: ``pipeline.eligibility.load_candidates`` applies it before anything else sees a trace; task
+items, variants, corrections and harness exemplars are checked with it too):
 ``HeldoutIndex.exclusion(messages, metadata, source)`` says why a trace may not be learned from, or None.
-A trace is excluded when its metadata marks it held-out, when it came from an evaluation run, or when any
-of its messages contains a held-out prompt (every user turn of every suite item, and every prompt of the
-contract's routing suite): texts are compared as words and punctuation after Unicode NFKC normalisation
-and case folding (so whitespace, content-part layout, full-width digits and letter case change nothing),
-and near-duplicates are found by word n-gram overlap (``contract.decontamination``), the decontamination
-check LLM evaluations use. What it cannot catch: a held-out item paraphrased into different words, or
-the same problem posed another way (the demo's split keeps ``a+b`` and ``b+a`` together for that reason).
+A trace is excluded when
+
+- its metadata marks it held-out, or it came from an evaluation run;
+- any of its texts -- every message's content (parts run together and apart) and tool-call arguments, and
+  every string of the client's tool schemas in ``metadata.tools`` (they reach the training prompt: curation
+  gives them to the chat template) -- contains a held-out prompt (every user turn of every suite item, and
+  every prompt of the contract's routing suite). Texts are compared as words and punctuation after Unicode
+  NFKC normalisation, removal of format characters (zero-width spaces...) and case folding, with leading
+  and trailing punctuation trimmed (``15+42`` is ``15+42=?``; a routing prompt without its ``?`` is the
+  prompt); a prompt of ``MIN_CONTAINED`` tokens or more also matches inside a longer text, a shorter one
+  only a text that is exactly it; near-duplicates are found by word n-gram overlap
+  (``contract.decontamination``), the decontamination check LLM evaluations use;
+- it poses a held-out item's problem: a task source may give the canonical form of the problems a
+  conversation poses (``canonical(messages)``, ``pipeline.tasksource``; the demo's is the unordered operand
+  pair, so ``42+15``, ``what is 15 plus 42?`` and ``f adds 42 15`` are all the held-out ``15+42=?``). Every
+  held-out item's keys are indexed under its suite's source (a generated suite's generator; a file suite's
+  specialist's generator, when it has one), and every such source's ``canonical`` is applied to every
+  trace's messages and tool strings;
+- its final assistant reply is a held-out item's reference answer (``metadata.expected`` of
+  ``MIN_ANSWER_TOKENS`` tokens or more, compared trimmed): a reply that teaches the answer without the
+  prompt. EXCEPT when the trace carries its own top-level ``metadata.expected``: a reference answer of its
+  own, which only the loop's task sources, the operator's ingest or a principal granted ``certify`` can put
+  there (anyone else's is ``metadata.claimed``), for a prompt the checks above found not held out; its reply
+  is learned only if it passes that trace's own checks, and a wrong one is at most the rejected side of a
+  preference pair, which pushes it down. Answers are often shared by many problems (the demo's are sums:
+  ``f adds 20 37`` and the held-out ``f adds 15 42`` both want ``def f(x):return x+57``), and refusing them
+  would stop the loop learning its own training items (7 in 10 of the demo's coding and genui training
+  traces) and most of their preference pairs. Without metadata (a harness exemplar) no reply is exempt.
+
+What it cannot catch: a held-out item paraphrased into different words that its source's canonical form
+does not recognise (or any paraphrase, for a source without one), a short reference answer (a bare number)
+given without its problem, and an answer written in another form than the reference (another spelling
+of the same code; a tool call rather than the compact text of ``metadata.expected``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import re
-import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.errors import RatchetError
+from pipeline.texts import KEPT_CHARS, KEPT_TEXTS, json_strings, message_texts, trimmed, words
+
 if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
 
-MIN_CONTAINED = 3  # a held-out prompt of fewer words only matches a message that is exactly it
-_WORD = re.compile(r"\w+|[^\w\s]")
+MIN_CONTAINED = 3  # a held-out prompt of fewer tokens (trimmed) only matches a text that is exactly it
+# A reference answer of fewer tokens (words and punctuation marks, trimmed) is not indexed: one to three
+# tokens ("57", "Paris.", "yes it is", "x + 1") is the natural reply to countless prompts, so a reply equal
+# to it says nothing about a held-out item, and refusing it would refuse ordinary traffic. From four tokens
+# on, an answer is a phrase, a call, code or JSON specific enough for equality to be evidence. The demo's
+# chat answers (a number: one token) are not indexed; its calls (``set_timer(minutes=57)``: 5 tokens), code
+# (``def f(x):return x+57``: 10) and JSON (12) are.
+MIN_ANSWER_TOKENS = 4
+
+Canonical = Callable[[list[dict[str, Any]]], Any]
+Suite = tuple[str, list[dict[str, Any]], "Canonical | None"]  # specialist, items, its source's canonical
 
 
-def resolve_suites(
-    contract: ContractSpec, *, contract_path: Path | None = None
-) -> dict[str, list[dict[str, Any]]]:
-    """Items of every held-out suite of the contract, per specialist. File suites come from the given
-    contract file's directory (sha256-checked), or without one from the registry, which stored them at
-    registration; generated suites from their task generator's ``heldout`` split."""
+def _suites(contract: ContractSpec, contract_path: Path | None) -> list[Suite]:
+    """Every held-out suite: its specialist, its items (marked held-out) and its source's ``canonical``."""
     from pipeline.contract import file_reader
-    from pipeline.tasksource import draw, generator_source
+    from pipeline.tasksource import canonical_of, draw, generator_source
 
-    suites: dict[str, list[dict[str, Any]]] = {}
+    out: list[Suite] = []
     read = file_reader(contract, contract_path)
     for suite in contract.heldout:
         if suite.generator is not None:
@@ -48,31 +82,54 @@ def resolve_suites(
         else:
             text = read(suite.sha256)
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            tasks = contract.specialists[suite.specialist].tasks
+            source = (  # a file suite is in the form of its specialist's generated tasks, when it has some
+                generator_source(tasks.generator, specialist=suite.specialist, options=tasks.options)
+                if tasks is not None and tasks.generator is not None
+                else None
+            )
         for item in items:  # whatever the source, these are held-out items
             item.setdefault("metadata", {})["split"] = "heldout"
-        suites.setdefault(suite.specialist, []).extend(items)
+        out.append((suite.specialist, items, canonical_of(source)))
+    return out
+
+
+def resolve_suites(
+    contract: ContractSpec, *, contract_path: Path | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Items of every held-out suite of the contract, per specialist. File suites come from the given
+    contract file's directory (sha256-checked), or without one from the registry, which stored them at
+    registration; generated suites from their task generator's ``heldout`` split."""
+    suites: dict[str, list[dict[str, Any]]] = {}
+    for specialist, items, _ in _suites(contract, contract_path):
+        suites.setdefault(specialist, []).extend(items)
     return suites
 
 
-def words(text: str) -> tuple[str, ...]:
-    """``text`` as the comparison sees it: NFKC-normalised, case-folded words and punctuation marks."""
-    return tuple(_WORD.findall(unicodedata.normalize("NFKC", text).casefold()))
+@functools.lru_cache(maxsize=KEPT_TEXTS)
+def _compared_short(text: str) -> tuple[str, ...]:
+    return trimmed(words(text))
 
 
-def message_texts(message: dict[str, Any]) -> list[str]:
-    """Every text a message carries: its content and its tool calls' arguments. Content parts are read both
-    run together (as a chat template shows them: ``"progres" + "s 12"``) and apart (``"counter" + "12"``)."""
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = [str(p.get("text", "")) for p in content if isinstance(p, dict)]
-        texts = ["".join(parts), " ".join(parts)]
-    else:
-        texts = [content] if isinstance(content, str) else []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict):
-            texts.append(f"{fn.get('name', '')} {fn.get('arguments', '')}")
-    return texts
+def _compared(text: str) -> tuple[str, ...]:
+    """``trimmed(words(text))`` (kept for short texts)."""
+    return _compared_short(text) if len(text) <= KEPT_CHARS else trimmed(words(text))
+
+
+def tool_texts(metadata: dict[str, Any]) -> list[str]:
+    """Every string of the tool schemas a trace's metadata carries (``tools``, certified or ``claimed``)."""
+    claimed = metadata.get("claimed")
+    found = [metadata.get("tools"), claimed.get("tools") if isinstance(claimed, dict) else None]
+    return [text for tools in found if tools for text in json_strings(tools)]
+
+
+def canonical_keys(canonical: Canonical, messages: list[dict[str, Any]]) -> frozenset[Hashable]:
+    """What a source's ``canonical`` returns, as a set of keys (None: none; a set, frozenset or list: those
+    keys; anything else: that one key)."""
+    got = canonical(messages)
+    if got is None:
+        return frozenset()
+    return frozenset(got) if isinstance(got, (set, frozenset, list)) else frozenset([got])
 
 
 def _ngrams(tokens: tuple[str, ...], n: int) -> set[tuple[str, ...]]:
@@ -81,27 +138,43 @@ def _ngrams(tokens: tuple[str, ...], n: int) -> set[tuple[str, ...]]:
 
 @dataclass
 class HeldoutIndex:
-    """Every held-out prompt, indexed for the exclusion check (build with ``HeldoutIndex.build``)."""
+    """Every held-out prompt, problem and reference answer, indexed for the exclusion check (build with
+    ``HeldoutIndex.build``)."""
 
     ngram: int
     threshold: float
     key: str = ""  # what it was built from (the contract's hash), for caches of its answers
     labels: list[str] = field(default_factory=list)
-    exact: dict[tuple[str, ...], int] = field(default_factory=dict)  # whole normalised prompt -> item
+    exact: dict[tuple[str, ...], int] = field(default_factory=dict)  # whole trimmed prompt -> item
     whole: dict[int, dict[tuple[str, ...], int]] = field(default_factory=dict)  # length -> prompt -> item
     grams: dict[tuple[str, ...], list[int]] = field(default_factory=dict)  # n-gram -> long items having it
     needed: dict[int, int] = field(default_factory=dict)  # long item -> n-grams that must be found
+    answers: dict[tuple[str, ...], int] = field(default_factory=dict)  # trimmed reference answer -> item
+    problems: dict[Canonical, dict[Hashable, int]] = field(default_factory=dict)  # canonical -> key -> item
+    _found: dict[str, int | None] = field(default_factory=dict, repr=False)  # text -> find's answer (kept)
+    _schemas: dict[str, str | None] = field(
+        default_factory=dict, repr=False
+    )  # tool strings -> posed's answer
 
     @classmethod
-    def build(cls, prompts: Iterable[tuple[str, str]], *, ngram: int, threshold: float) -> HeldoutIndex:
-        """An index of ``(label, prompt text)`` pairs."""
+    def build(
+        cls,
+        prompts: Iterable[tuple[str, str]],
+        *,
+        ngram: int,
+        threshold: float,
+        answers: Iterable[tuple[str, str]] = (),
+        problems: Iterable[tuple[str, Canonical, list[dict[str, Any]]]] = (),
+    ) -> HeldoutIndex:
+        """An index of ``(label, prompt text)`` pairs, ``(label, reference answer)`` pairs (those of
+        ``MIN_ANSWER_TOKENS`` or more) and ``(label, canonical, item messages)`` triples (the keys
+        ``canonical`` gives for the item's messages; ``RatchetError`` when they are not hashable)."""
         index = cls(ngram=ngram, threshold=threshold)
         for label, text in prompts:
-            tokens = words(text)
+            tokens = trimmed(words(text))
             if not tokens or tokens in index.exact:
                 continue
-            item = len(index.labels)
-            index.labels.append(label)
+            item = index._label(label)
             index.exact[tokens] = item
             if len(tokens) >= ngram:
                 grams = _ngrams(tokens, ngram)
@@ -110,7 +183,27 @@ class HeldoutIndex:
                     index.grams.setdefault(gram, []).append(item)
             elif len(tokens) >= MIN_CONTAINED:
                 index.whole.setdefault(len(tokens), {})[tokens] = item
+        for label, text in answers:
+            tokens = trimmed(words(text))
+            if len(tokens) >= MIN_ANSWER_TOKENS and tokens not in index.answers:
+                index.answers[tokens] = index._label(label)
+        for label, canonical, messages in problems:
+            try:
+                keys = canonical_keys(canonical, messages)
+            except Exception as exc:  # a third party's code: say which item, not a traceback
+                raise RatchetError(
+                    f"held-out item {label}: its task source's canonical() failed on it ({type(exc).__name__}: "
+                    f"{exc}); it must return a hashable key, a set or list of them, or None"
+                ) from None
+            known, item = index.problems.setdefault(canonical, {}), None
+            for k in sorted(keys - known.keys(), key=repr):
+                item = index._label(label) if item is None else item
+                known[k] = item
         return index
+
+    def _label(self, label: str) -> int:
+        self.labels.append(label)
+        return len(self.labels) - 1
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -118,23 +211,75 @@ class HeldoutIndex:
     def find(self, texts: Iterable[str]) -> str | None:
         """The label of a held-out prompt that one of ``texts`` contains, or None."""
         for text in texts:
-            tokens = words(text)
-            if not tokens:
+            if len(text) > KEPT_CHARS:
+                found = self._find_one(text)
+            elif text in self._found:
+                found = self._found[text]
+            else:
+                if len(self._found) >= KEPT_TEXTS:
+                    self._found.clear()
+                found = self._found[text] = self._find_one(text)
+            if found is not None:
+                return self.labels[found]
+        return None
+
+    def _find_one(self, text: str) -> int | None:
+        tokens = _compared(text)
+        if not tokens:
+            return None
+        if tokens in self.exact:
+            return self.exact[tokens]
+        for length, prompts in self.whole.items():
+            for i in range(len(tokens) - length + 1):
+                found = prompts.get(tokens[i : i + length])
+                if found is not None:
+                    return found
+        if self.grams and len(tokens) >= self.ngram:
+            hits: dict[int, int] = {}
+            for gram in _ngrams(tokens, self.ngram):
+                for item in self.grams.get(gram, ()):
+                    hits[item] = hits.get(item, 0) + 1
+                    if hits[item] >= self.needed[item]:
+                        return item
+        return None
+
+    def posed(self, messages: list[dict[str, Any]]) -> str | None:
+        """Why ``messages`` pose a held-out item's problem (its source's canonical form), or None. A canonical
+        form that fails on them excludes them: refused rather than missed."""
+        for canonical, keys in self.problems.items():
+            if not keys:
                 continue
-            if tokens in self.exact:
-                return self.labels[self.exact[tokens]]
-            for length, prompts in self.whole.items():
-                for i in range(len(tokens) - length + 1):
-                    found = prompts.get(tokens[i : i + length])
-                    if found is not None:
-                        return self.labels[found]
-            if self.grams and len(tokens) >= self.ngram:
-                hits: dict[int, int] = {}
-                for gram in _ngrams(tokens, self.ngram):
-                    for item in self.grams.get(gram, ()):
-                        hits[item] = hits.get(item, 0) + 1
-                        if hits[item] >= self.needed[item]:
-                            return self.labels[item]
+            try:
+                for k in canonical_keys(canonical, messages):
+                    if k in keys:
+                        return f"poses the problem of held-out item {self.labels[keys[k]]}"
+            except Exception as exc:  # a third party's code on untrusted text: fail closed, and say so
+                return f"its task source's canonical() failed on it ({type(exc).__name__}: {exc})"
+        return None
+
+    def _posed_schemas(self, text: str) -> str | None:
+        """``posed`` for a trace's tool-schema strings (one a line, as one ``system`` message), kept per text:
+        a deployment sends the same schemas with every turn."""
+        if len(text) > 16 * KEPT_CHARS:
+            return self.posed([{"role": "system", "content": text}])
+        if text not in self._schemas:
+            if len(self._schemas) >= 1024:
+                self._schemas.clear()
+            self._schemas[text] = self.posed([{"role": "system", "content": text}])
+        return self._schemas[text]
+
+    def answered(self, messages: list[dict[str, Any]], metadata: dict[str, Any]) -> str | None:
+        """The label of a held-out item whose reference answer is the final assistant reply, unless the
+        trace carries a reference answer of its own (``metadata.expected``; see the module doc), or None."""
+        if not self.answers or metadata.get("expected") not in (None, "", []):
+            return None
+        final = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+        if final is None:
+            return None
+        for text in message_texts(final):
+            item = self.answers.get(_compared(text))
+            if item is not None:
+                return self.labels[item]
         return None
 
     def exclusion(
@@ -144,28 +289,75 @@ class HeldoutIndex:
         metadata: dict[str, Any] | None = None,
         source: str | None = None,
     ) -> str | None:
-        """Why a trace must never be learned from (held out), or None when it may be."""
-        if (metadata or {}).get("split") == "heldout":
+        """Why a trace must never be learned from (held out), or None when it may be (see the module doc)."""
+        meta = metadata if isinstance(metadata, dict) else {}
+        if meta.get("split") == "heldout":
             return "marked held-out (metadata.split)"
         if source == "evaluation":
             return "an evaluation trace"
-        found = self.find(text for m in messages if isinstance(m, dict) for text in message_texts(m))
-        return None if found is None else f"contains held-out prompt {found}"
+        turns = [m for m in messages if isinstance(m, dict)]
+        found = self.find(text for m in turns for text in message_texts(m))
+        if found is not None:
+            return f"contains held-out prompt {found}"
+        tools = tool_texts(meta)
+        found = self.find(tools)
+        if found is not None:
+            return f"contains held-out prompt {found} in metadata.tools"
+        posed = self.posed(turns) or (self._posed_schemas("\n".join(tools)) if tools else None)
+        if posed is not None:
+            return posed
+        found = self.answered(turns, meta)
+        if found is not None:
+            return f"replies with the reference answer of held-out item {found}"
+        return None
+
+
+def _labelled(suites: list[Suite]) -> Iterator[tuple[str, dict[str, Any], Canonical | None]]:
+    """Every suite item with its label (``specialist #i``, numbered per specialist as ``resolve_suites``
+    lists them) and its source's canonical form."""
+    counts: dict[str, int] = {}
+    for specialist, items, canonical in suites:
+        for item in items:
+            i = counts.get(specialist, 0)
+            counts[specialist] = i + 1
+            yield f"{specialist} #{i}", item, canonical
 
 
 def heldout_prompts(contract: ContractSpec, *, contract_path: Path | None = None) -> list[tuple[str, str]]:
     """``(label, text)`` of every held-out prompt of the contract: each user turn of each suite item and
     each prompt of the routing suite (file suites as ``resolve_suites`` finds them)."""
+    return _prompts(contract, _suites(contract, contract_path))
+
+
+def _prompts(contract: ContractSpec, suites: list[Suite]) -> list[tuple[str, str]]:
     out = []
-    for specialist, items in resolve_suites(contract, contract_path=contract_path).items():
-        for i, item in enumerate(items):
-            for m in item.get("messages") or []:
-                if isinstance(m, dict) and m.get("role") in ("user", "system", "developer"):
-                    out += [(f"{specialist} #{i}", text) for text in message_texts(m)]
+    for label, item, _ in _labelled(suites):
+        for m in item.get("messages") or []:
+            if isinstance(m, dict) and m.get("role") in ("user", "system", "developer"):
+                out += [(label, text) for text in message_texts(m)]
     if contract.routing is not None:
         for specialist, prompts in contract.routing.prompts.items():
             out += [(f"routing {specialist} #{i}", text) for i, text in enumerate(prompts)]
     return out
+
+
+def _answers(suites: list[Suite]) -> list[tuple[str, str]]:
+    """``(label, reference answer)`` of every suite item whose ``metadata.expected`` is a string."""
+    out = []
+    for label, item, _ in _labelled(suites):
+        expected = (item.get("metadata") or {}).get("expected")
+        if isinstance(expected, str):
+            out.append((label, expected))
+    return out
+
+
+def _problems(suites: list[Suite]) -> list[tuple[str, Canonical, list[dict[str, Any]]]]:
+    """``(label, canonical, messages)`` of every suite item whose source has a canonical form."""
+    return [
+        (label, canonical, item.get("messages") or [])
+        for label, item, canonical in _labelled(suites)
+        if canonical is not None
+    ]
 
 
 _INDEXES: dict[str, HeldoutIndex] = {}
@@ -179,10 +371,13 @@ def heldout_index(contract: ContractSpec, *, contract_path: Path | None = None) 
     key = contract_hash(contract)
     if key not in _INDEXES:
         policy = contract.decontamination
+        suites = _suites(contract, contract_path)
         index = HeldoutIndex.build(
-            heldout_prompts(contract, contract_path=contract_path),
+            _prompts(contract, suites),
             ngram=policy.ngram,
             threshold=policy.threshold,
+            answers=_answers(suites),
+            problems=_problems(suites),
         )
         index.key = key
         if len(_INDEXES) >= 8:

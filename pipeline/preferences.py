@@ -55,6 +55,10 @@ class _Reply:
     tools: Any
     principal: str | None = None  # whose reply it is (the corrector's, for an accepted correction)
     passed: bool = True  # checked, and no verifying check failed on it (only such a reply is preferred)
+    metadata: dict[str, Any] = field(default_factory=dict)  # its trace's (what the held-out check reads)
+
+
+_PRIVATE = ("principal", "metadata", "rejected_metadata")  # what a row carries through selection, not saved
 
 
 def _reply_key(messages: list[dict[str, Any]]) -> str:
@@ -132,7 +136,7 @@ def preference_pairs(
         corrected = accepted_correction(cand, contract)
         if corrected is not None and cand.correction:
             fixed = _Reply(float(cand.correction["total"]), order, corrected, cand.experience_id, tools,
-                           cand.corrector())  # fmt: skip
+                           cand.corrector(), metadata=cand.metadata)  # fmt: skip
             wrong = cand.verified and cand.score is not None and cand.score < rules.min_score
             if wrong and cand.metadata.get("finish_reason") not in STOPPED:
                 row = {
@@ -145,6 +149,8 @@ def preference_pairs(
                     "rejected_experience_id": cand.experience_id,
                     "tools": tools,
                     "principal": fixed.principal,
+                    "metadata": cand.metadata,
+                    "rejected_metadata": cand.metadata,
                 }
                 corrections[cand.specialist].append((1.0, order, row))
             else:  # nothing says the reply it replaces was wrong: the correction only joins its group
@@ -158,7 +164,14 @@ def preference_pairs(
             continue
         messages = _through_final_reply(cand.messages)
         reply = _Reply(
-            float(cand.score), order, messages, cand.experience_id, tools, cand.principal, cand.passed
+            float(cand.score),
+            order,
+            messages,
+            cand.experience_id,
+            tools,
+            cand.principal,
+            cand.passed,
+            cand.metadata,
         )
         add(groups.setdefault((cand.specialist, prompt_key(messages)), {}), reply)
     ranked: dict[str, list[tuple[float, int, dict[str, Any]]]] = corrections
@@ -185,6 +198,8 @@ def preference_pairs(
                 "rejected_experience_id": other.experience_id,
                 "tools": best.tools or other.tools,
                 "principal": best.principal,
+                "metadata": best.metadata,
+                "rejected_metadata": other.metadata,
             }
             ranked[specialist].append((margin, max(best.order, other.order), row))
         for r in replies:
@@ -196,8 +211,12 @@ def preference_pairs(
     for specialist in sorted(wanted):
         rows = []
         for _, _, row in sorted(ranked[specialist], key=lambda r: (r[0], r[1]), reverse=True):
-            both = [*row["messages"], row["rejected"][-1]]
-            if heldout.exclusion(messages=both) is not None:  # a correction's own text is checked here
+            # each side as it is trained on, with its own trace's metadata (a side's reply that is its own
+            # reference answer is no held-out answer: ``heldout``); a correction's own text is checked here too
+            if any(
+                heldout.exclusion(messages=row[side], metadata=row[meta]) is not None
+                for side, meta in (("messages", "metadata"), ("rejected", "rejected_metadata"))
+            ):
                 drop(specialist, "held-out", row["principal"])
                 continue
             rows.append(row)
@@ -210,5 +229,5 @@ def preference_pairs(
                              ("over cap", [r for r in rows if id(r) not in placed])):  # fmt: skip
             for r in left:
                 drop(specialist, reason, r["principal"])
-        result.pairs[specialist] = [{k: v for k, v in r.items() if k != "principal"} for r in kept]
+        result.pairs[specialist] = [{k: v for k, v in r.items() if k not in _PRIVATE} for r in kept]
     return result

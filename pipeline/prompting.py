@@ -31,8 +31,8 @@ from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams, HarnessSpec, SpecialistHarness
-from pipeline.messages import message_text
-from pipeline.toolcalls import call_text
+from pipeline.texts import message_text
+from pipeline.toolcalls import call_id, call_text
 
 # Per message: a role marker and an end marker (the tiny model's template uses one token for each).
 MESSAGE_OVERHEAD_CHARS = 2
@@ -118,7 +118,7 @@ def exemplar_messages(harness: HarnessSpec, specialist: str) -> list[list[dict[s
             if m.tool_calls:
                 msg["tool_calls"] = []
                 for k, c in enumerate(m.tool_calls):
-                    last_id = f"call_ex{i}_{j}_{k}"
+                    last_id = call_id(f"exemplar:{i}:{j}:{k}")
                     args = json.dumps(c.arguments, separators=(",", ":"))
                     msg["tool_calls"].append(
                         {"id": last_id, "type": "function", "function": {"name": c.name, "arguments": args}}

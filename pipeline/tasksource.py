@@ -26,11 +26,26 @@ The protocol a generator implements (a factory registered under ``ratchet.tasks`
         # optional: an action substrate for multi-turn tool episodes (``method: grpo``)
         def reset(self, item: dict) -> Any: ...                    # the state an episode starts from
         def act(self, state: Any, call: dict) -> tuple[Any, Any]: ...  # one call -> (new state, result)
+        # optional: the canonical form of the problems a conversation poses (the held-out predicate)
+        def canonical(self, messages: list[dict]) -> Hashable | set | list | None: ...
 
 ``items`` returns ``n`` task items of ``split`` (``train``: with repeats when it has fewer; ``validation``
 and ``heldout``: distinct items, at most ``n``) as a pure function of ``seed``; a split it does not have
 raises ``ValueError``. Items of ``heldout`` are marked held-out whatever they say. Whatever the source,
 collection also drops any item the contract's held-out predicate matches.
+
+``canonical(messages)`` says which problem a conversation poses, however it is worded: a hashable key (two
+conversations posing the same problem get the same key), a ``set``, ``frozenset`` or ``list`` of keys for a
+conversation that poses several, or None for none it recognises. It reads every message (any role: a
+problem may be stated in a correction, an assistant turn or a tool result; ``pipeline.texts.message_texts``
+gives a message's texts), and must be a pure, fast function of them: the held-out predicate
+(``pipeline.heldout``) applies it to every trace, correction, exemplar, task item and variant, and apart to
+the strings of a trace's tool schemas as one ``system`` message (one string a line). Every key it gives for
+an item of a held-out suite drawn from this source (or of a file suite of a specialist whose tasks this
+source generates) is held out, and a conversation posing one is never learned from; keys are compared only
+with those of the same ``canonical``. One that raises on a held-out item stops the index's build
+(``RatchetError``); one that raises on a trace excludes it. The demo's is the unordered operand pair,
+``("add", low, high)`` (``pipeline.environment.problems``).
 """
 
 from __future__ import annotations
@@ -38,10 +53,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipeline.environment.problems import problem_keys
 from pipeline.errors import RatchetError
 
 if TYPE_CHECKING:
@@ -58,6 +74,12 @@ class TaskSource(Protocol):
 
 
 Factory = Callable[..., TaskSource]
+
+
+def canonical_of(source: Any) -> Callable[[list[dict[str, Any]]], Hashable | None] | None:
+    """A task source's ``canonical`` (see the module doc), or None when it has none (or no source)."""
+    canonical = getattr(source, "canonical", None)
+    return canonical if callable(canonical) else None
 
 
 # ------------------------------------------------------------------------------------------ file items
@@ -164,6 +186,10 @@ class DemoTasks:
         from pipeline.environment import perturbed_items
 
         return perturbed_items(self.family, items, n, seed)
+
+    # the problem's identity, the unordered operand pair, whatever the family or wording (one function for
+    # every family: a pair held out in one family is held out in all of them, and the predicate applies it once)
+    canonical = staticmethod(problem_keys)
 
     def reset(self, item: dict[str, Any]) -> dict[str, Any]:
         """The action substrate before an episode (the ``agent`` family's timer and cart)."""

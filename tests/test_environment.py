@@ -117,3 +117,55 @@ def test_genui_verifier_uses_the_item_schema():
     assert not verify(item, '{"type":"progress","percent":101}')[0]
     assert not verify(item, '{"type":"counter","percent":100}')[0]
     assert not verify(item, '{"type":"progress","percent":100')[0]
+
+
+# ---------------------------------------------------------------------------------- canonical problems
+@pytest.mark.parametrize(
+    "text",
+    ["15+42=?", "15+42", "42+15=?", "15 + 42 =", "what is 15 plus 42?", "fifteen plus forty-two =?",
+     "Fifteen plus FORTY TWO", "fortytwo and fifteen", "f adds 42 15", "timer 15+42", "add 15+42 egg",
+     "counter 42+15", "progress 15+42", "the sum of 15 and 42", "add 42 to 15", "15 added to 42",
+     "1 5 + 4 2", "１５＋４２", "15\u200b+42", "sum: 15, 42", "10+15+42"],
+)  # fmt: skip
+def test_the_problem_is_recognised_however_written(text):
+    from pipeline.environment.problems import problem_keys
+
+    assert ("add", 15, 42) in problem_keys([{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["115+42", "15+421", "15-42", "15*42", "fifteen, then forty-two", "def f(x):return x+57",
+     '{"type":"counter","value":57}', "add_item(name=egg,qty=57)", "fourteen someone often", "x+15 y+42"],
+)  # fmt: skip
+def test_other_texts_pose_other_problems_or_none(text):
+    from pipeline.environment.problems import problem_keys
+
+    assert ("add", 15, 42) not in problem_keys([{"role": "user", "content": text}])
+
+
+def test_every_message_and_part_is_read():
+    from pipeline.environment.problems import problem_keys
+
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "15"}, {"type": "text", "text": "+42"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"function": {"name": "calc", "arguments": '{"q": "20 plus 37"}'}}]},
+        {"role": "tool", "content": "ten and eleven", "tool_call_id": "c"},
+    ]  # fmt: skip
+    assert problem_keys(messages) == {("add", 15, 42), ("add", 20, 37), ("add", 10, 11)}
+    assert problem_keys([{"role": "user", "content": 7}, "junk", {"role": "user"}]) == frozenset()
+
+
+def test_the_canonical_form_finds_every_held_out_pair_and_no_other_in_all_formats():
+    """Every item of every pair, family and format: its canonical key is its own unordered pair, so the
+    held-out predicate excludes no train or validation item (the split is by that pair)."""
+    from pipeline.environment.problems import problem_keys
+
+    for a in range(10, 100):
+        for b in range(10, 100):
+            for family in FAMILIES:
+                for variant in range(12 if family == "agent" else 2 if family == "genui" else 1):
+                    item = make_item(family, a, b, variant)
+                    trace = completion_trace(item, reference_answer(item))
+                    assert problem_keys(trace["messages"]) == {("add", min(a, b), max(a, b))}, trace

@@ -570,7 +570,12 @@ def test_without_bubblewrap_the_scorer_refuses_with_a_clear_message(monkeypatch)
         {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
     ]
     ctx = TurnContext(
-        messages=messages, index=1, specialist="coding", metadata={"tests": ADD_TESTS}, is_final=True
+        messages=messages,
+        index=1,
+        specialist="coding",
+        metadata={"tests": ADD_TESTS},
+        is_final=True,
+        principal="operator",
     )
     try:
         with pytest.raises(SandboxUnavailable, match="bubblewrap is not installed.*RATCHET_SANDBOX=process"):

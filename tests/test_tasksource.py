@@ -186,3 +186,118 @@ def test_init_refuses_grpo_for_a_specialist_without_a_task_source(tmp_path):
     with pytest.raises(RatchetError, match=r"specialists \['agent'\] train with method grpo.*no task source"):
         init_lineage(contract_path=tmp_path / "c.yaml", harness_path=ROOT / "harnesses" / "demo.yaml",
                      model_path=tmp_path / "m.yaml")  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- canonical forms
+CAPITALS = (
+    "class Capitals:\n"
+    "    def __init__(self, failing=False):\n        self.failing = failing\n"
+    "    def items(self, split, n, seed):\n"
+    "        names = {'heldout': ['spain'], 'train': ['peru'], 'validation': ['chad']}[split]\n"
+    "        return [{'messages': [{'role': 'user', 'content': f'capital of {c}?'}],\n"
+    "                 'metadata': {'expected': c.upper()}} for c in names[:n]]\n"
+    "    def canonical(self, messages):\n"
+    "        if self.failing and any('boom' in str(m.get('content')) for m in messages):\n"
+    "            raise ValueError('cannot read this')\n"
+    "        aliases = {'spain': 'spain', 'espana': 'spain', 'españa': 'spain', 'peru': 'peru', 'chad': 'chad'}\n"
+    "        words = [w.strip('?!.,') for m in messages for w in str(m.get('content') or '').lower().split()]\n"
+    "        return {('capital', aliases[w]) for w in words if w in aliases} or None\n"
+    "def make(*, specialist, failing=False):\n    return Capitals(failing)\n"
+)
+
+
+def _capitals_package(tmp_path, monkeypatch) -> None:
+    """A third-party generator (entry point ``capitals``) whose ``canonical`` names the country asked about."""
+    (tmp_path / "capitals_pkg.py").write_text(CAPITALS)
+    dist = tmp_path / "capitals_pkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: capitals-pkg\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[ratchet.tasks]\ncapitals = capitals_pkg:make\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "capitals_pkg", raising=False)
+
+
+def _contract(tmp_path, suite: str, options: str = "{}"):
+    from pipeline.contract import load_contract
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"""name: t
+version: "1"
+protocol: {{context_budget: {{max_tokens: 512}}}}
+default_specialist: geo
+specialists:
+  geo:
+    tasks: {{generator: capitals, options: {options}}}
+    scorers: [{{kind: exact_match}}]
+heldout:
+  - {suite}
+"""
+    )
+    return load_contract(path), path
+
+
+def test_a_generators_canonical_form_keeps_its_held_out_problems_out_however_worded(tmp_path, monkeypatch):
+    from pipeline.heldout import heldout_index
+
+    _capitals_package(tmp_path, monkeypatch)
+    contract, _ = _contract(tmp_path, "{specialist: geo, generator: capitals, seed: 0, size: 5}")
+    index = heldout_index(contract)
+    said = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    assert index.exclusion(messages=said("capital of spain?")) == "contains held-out prompt geo #0"
+    reworded = index.exclusion(messages=said("Which city governs Spain!"))
+    assert reworded == "poses the problem of held-out item geo #0"  # what only the source can recognise
+    in_a_reply = [*said("tell me something"), {"role": "assistant", "content": "spain's is madrid"}]
+    assert index.exclusion(messages=in_a_reply) is None  # "spain's" is not a word the source knows
+    assert index.exclusion(messages=[*said("x"), {"role": "tool", "content": "spain"}]) is not None
+    assert index.exclusion(messages=said("Which city governs Peru")) is None  # a training problem
+    got, left_out = draw(generator_source("capitals", specialist="geo"), "train", 1, 0, heldout=index)
+    assert left_out == 0 and got[0]["messages"][0]["content"] == "capital of peru?"
+
+
+def test_a_file_suite_is_read_in_its_specialists_generator_form(tmp_path, monkeypatch):
+    from pipeline.heldout import heldout_index
+
+    _capitals_package(tmp_path, monkeypatch)
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "and the capital of españa?"}]}) + "\n"
+    )
+    digest = hashlib.sha256(suite.read_bytes()).hexdigest()
+    contract, path = _contract(tmp_path, f'{{specialist: geo, path: suite.jsonl, sha256: "{digest}"}}')
+    index = heldout_index(contract, contract_path=path)
+    assert index.exclusion(messages=[{"role": "user", "content": "ESPANA?"}]) == (
+        "poses the problem of held-out item geo #0"
+    )
+
+
+def test_a_canonical_form_that_fails_is_named_at_build_and_refuses_at_use(tmp_path, monkeypatch):
+    from pipeline.heldout import HeldoutIndex
+
+    _capitals_package(tmp_path, monkeypatch)
+    source = generator_source("capitals", specialist="geo", options={"failing": True})
+    boom = [{"role": "user", "content": "boom"}]
+    with pytest.raises(RatchetError, match=r"held-out item geo #0: its task source's canonical\(\) failed"):
+        HeldoutIndex.build([], ngram=8, threshold=0.5, problems=[("geo #0", source.canonical, boom)])
+    index = HeldoutIndex.build(
+        [],
+        ngram=8,
+        threshold=0.5,
+        problems=[("geo #0", source.canonical, source.items("heldout", 1, 0)[0]["messages"])],
+    )
+    assert index.exclusion(messages=[{"role": "user", "content": "peru"}]) is None
+    reason = index.exclusion(messages=[{"role": "user", "content": "boom"}])  # untrusted text broke it
+    assert reason == "its task source's canonical() failed on it (ValueError: cannot read this)"
+
+
+def test_the_demo_source_gives_the_unordered_pair_in_any_family():
+    from pipeline.tasksource import DemoTasks, canonical_of
+
+    keys = {
+        frozenset(canonical_of(DemoTasks(specialist=family))(item["messages"]))
+        for family in ("chat", "agent", "coding", "genui")
+        for item in DemoTasks(specialist=family).items("heldout", 1, 5)
+    }
+    assert all(len(k) == 1 and next(iter(k))[0] == "add" for k in keys)
+    assert canonical_of(DemoTasks(specialist="chat")) is canonical_of(DemoTasks(specialist="coding"))
+    assert canonical_of(FileTasks(items(3), validation_share=0.1)) is None

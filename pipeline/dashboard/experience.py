@@ -140,8 +140,8 @@ class ExperienceQuery(BaseModel):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A message's text (``pipeline.messages.message_text``), else its tool calls as ``name(arguments)``."""
-    from pipeline.messages import message_text as content_text
+    """A message's text (``pipeline.texts.message_text``), else its tool calls as ``name(arguments)``."""
+    from pipeline.texts import message_text as content_text
 
     text = content_text(message)
     calls = message.get("tool_calls") or []

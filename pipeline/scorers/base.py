@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.messages import message_text
+from pipeline.texts import message_text
 
 __all__ = ["NOT_APPLICABLE", "ScorerOutcome", "TurnContext", "message_text"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.harness import HarnessSpec, RoutingPolicy
-from pipeline.messages import message_text
+from pipeline.texts import message_text
 
 __all__ = [
     "RouteDecision",

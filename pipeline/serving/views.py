@@ -27,8 +27,8 @@ from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.harness import HarnessSpec
-from pipeline.messages import message_text
 from pipeline.prompting import TurnRecord, Writer, prompt_chars, view_parts
+from pipeline.texts import message_text
 from pipeline.toolcalls import from_openai, render_tool_calls
 
 SUMMARY_INSTRUCTION = "Summarize your last reply in one short sentence."
