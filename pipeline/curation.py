@@ -118,7 +118,7 @@ def select_examples(
             if cand.metadata.get("finish_reason") in STOPPED:  # cut off (timeout, disconnect): never whole
                 drop(cand, "reply stopped before its end")
                 continue
-        if excluded(cand, heldout):
+        if excluded(cand, heldout) or heldout.teaches(messages, cand.metadata):
             drop(cand, "held-out", principal)
             continue
         if not any(m.get("role") == "assistant" for m in messages):

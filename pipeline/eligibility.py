@@ -148,11 +148,15 @@ def accepted_correction(candidate: Candidate, contract: ContractSpec) -> list[di
     from pipeline.scoring import corrected_trace
 
     corrected = corrected_trace({"messages": candidate.messages, "feedback": candidate.feedback})
-    if corrected is None or heldout_index(contract).exclusion(
-        messages=corrected["messages"][-1:], metadata=candidate.metadata
+    if corrected is None:
+        return None
+    index = heldout_index(contract)
+    meta, messages = candidate.metadata, corrected["messages"]
+    if index.exclusion(messages=messages, metadata=meta, source=candidate.source) or index.teaches(
+        messages, meta
     ):
         return None
-    return corrected["messages"]
+    return messages
 
 
 _EXCLUDED: dict[tuple[str, str, str], str | None] = {}  # (index, trace content, source) -> reason
@@ -305,14 +309,19 @@ def eligible_examples(
     accepted correction: what co-design's exemplars and the router learn from (curation adds dedup and
     caps). The validation slice of specialists without a task source is left out (``validation=True``:
     only that slice, what co-design validates on)."""
+    from pipeline.heldout import heldout_index
+
     share = contract.selection.validation_share
     sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}
+    index = heldout_index(contract)
     out = []
     for cand in candidates:
         corrected = accepted_correction(cand, contract)
         if corrected is not None and cand.correction:
             found = (cand, corrected, float(cand.correction["total"]))
         elif cand.passed and cand.score is not None and cand.score >= contract.selection.min_score:
+            if index.teaches(cand.messages, cand.metadata):  # a held-out answer that is not its own
+                continue
             found = (cand, cand.messages, float(cand.score))
         else:
             continue

@@ -3,15 +3,17 @@
 Both pairs answer the same items greedily and are scored under the contract, so the comparison is paired:
 per specialist the mean of the item-level differences and its standard error; overall the mean of the
 specialists' means (each specialist counts the same), whose variance is the sum of theirs over the number
-of specialists squared. Both pairs answer first; then their answers are scored item by item, interleaved, each
-on its final assistant turn (``score_both``), so a scorer that fails for a while fails on both sides of the same
-items. An item unscored on either side is left out of the comparison and counted (``evaluation["unscored"]``);
-more than ``promotion.max_unscored_share`` of them fails the step. Every compared item's score is stored with
-the candidate (``evaluation["items"]``), as is
+of specialists squared. Both pairs answer first; then their answers are scored item by item, interleaved
+(``score_both``), each on its final assistant turn (``item_score``), so a scorer that fails for a while (a
+judge down, then back) fails on both sides of the same items. An item unscored on either side is left out
+of the comparison on both sides and counted per specialist (``evaluation["unscored"]``, its first reason in
+``evaluation["unscored_errors"]``); more than ``promotion.max_unscored_share`` of all items unscored fails
+the step with one line (``check_unscored``). Every compared item's scores are stored with the candidate
+(``evaluation["items"]``, and with both answers in ``evaluation_items``; unscored items in neither), as are
 the router's accuracy on the contract's routing suite for both harnesses, which attempt against this
 champion the candidate is, and how both pairs answer the variants discovery found this generation
-(``evaluation["discovery"]``: greedy contract totals; they were practised on, so this is a report, never a
-gate); ``pipeline.promotion`` turns the rest into a verdict.
+(``evaluation["discovery"]``: greedy final-turn scores, unscored as 0; they were practised on: a report,
+never a gate); ``pipeline.promotion`` turns the rest into a verdict.
 """
 
 from __future__ import annotations
@@ -142,18 +144,27 @@ class ItemScore:
 def item_score(
     contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec, specialist: str
 ) -> ItemScore:
-    """The score of an answered item: its final turn's (a multi-turn item is judged on the turn that answers
-    it, not on the mean of its turns). *Unscored* when the final turn got no score, or when a scorer that
-    applies to it gave no verdict because of an error (a judge that was unreachable or answered without a
-    grade, tests that could not be read): its score would be made of the other scorers alone, unlike the
-    same item's score on the other pair."""
+    """The score of an answered item: its final assistant turn's total (``score_trace(...).final.total``; a
+    multi-turn item is judged on the turn that answers it, not on the mean of its turns).
+
+    *Unscored* (value None, with the first reason) when the trace has no assistant turn, when no scorer gave
+    its final turn a value, or when one of the contract's scorers gave its final turn no value *and* an error
+    -- the scorer applied but could not reach a verdict: a judge that was unreachable or whose reply was not a
+    grade, a schema or test cases in the item's metadata that could not be read. Such a turn's total would be
+    made of the other scorers alone, unlike the same item's total on the other pair. A scorer that does not
+    apply (None without an error) leaves an item scored; a scorer that crashed scores 0 with its error
+    (``run_scorer`` fails closed), which is a score."""
     from pipeline.scoring import score_trace
 
     final = score_trace(contract, trace, harness=harness, specialist=specialist).final
     if final is None or final.total is None:
         why = "; ".join(f"{k}: {e}" for k, e in (final.errors if final else {}).items())
         return ItemScore(None, why or "no scorer applies to the final turn")
-    broken = [f"{key}: {error}" for key, error in final.errors.items() if final.values.get(key) is None]
+    broken = [  # only the scorers' own keys: the errors also say e.g. that a specialist was scored as another
+        f"{key}: {error}"
+        for key, error in final.errors.items()
+        if key in final.values and final.values[key] is None
+    ]
     if broken:
         return ItemScore(None, broken[0])
     return ItemScore(float(final.total))
@@ -205,7 +216,8 @@ def paired_values(
 def check_unscored(
     scored: dict[str, list[tuple[ItemScore, ItemScore]]], unscored: dict[str, list[int]], limit: float
 ) -> None:
-    """``RatchetError`` (one line) when more than ``limit`` of all items could not be scored on both pairs."""
+    """``RatchetError`` (one line: how many of how many, the limit, and the first item's reason, its
+    whitespace collapsed) when more than ``limit`` of all items could not be scored on both pairs."""
     total = sum(len(rows) for rows in scored.values())
     left_out = sum(len(v) for v in unscored.values())
     if total and left_out / total > limit:
@@ -215,7 +227,7 @@ def check_unscored(
         )
         raise RatchetError(
             f"evaluation: {left_out:,} of {total:,} held-out items ({left_out / total:.1%}) could not be scored on "
-            f"both pairs (over promotion.max_unscored_share {limit:g}): {first}"
+            f"both pairs (over promotion.max_unscored_share {limit:g}): {' '.join(first.split())[:300]}"
         )
 
 

@@ -32,7 +32,9 @@ A trace is excluded when
   preference pair, which pushes it down. Answers are often shared by many problems (the demo's are sums:
   ``f adds 20 37`` and the held-out ``f adds 15 42`` both want ``def f(x):return x+57``), and refusing them
   would stop the loop learning its own training items (7 in 10 of the demo's coding and genui training
-  traces) and most of their preference pairs. Without metadata (a harness exemplar) no reply is exempt.
+  traces) and most of their preference pairs. A reply about to be learned positively -- an SFT target, a
+  preferred side, an exemplar -- is held to the stricter rule (``HeldoutIndex.teaches``): it must *be* its
+  trace's own reference answer. Without metadata (a harness exemplar) no reply is exempt.
 
 What it cannot catch: a held-out item paraphrased into different words that its source's canonical form
 does not recognise (or any paraphrase, for a source without one), a short reference answer (a bare number)
@@ -271,14 +273,27 @@ class HeldoutIndex:
     def answered(self, messages: list[dict[str, Any]], metadata: dict[str, Any]) -> str | None:
         """The label of a held-out item whose reference answer is the final assistant reply, unless the
         trace carries a reference answer of its own (``metadata.expected``; see the module doc), or None."""
-        if not self.answers or metadata.get("expected") not in (None, "", []):
+        if metadata.get("expected") not in (None, "", []):
+            return None
+        return self.teaches(messages, {})
+
+    def teaches(self, messages: list[dict[str, Any]], metadata: dict[str, Any]) -> str | None:
+        """For a reply about to be *learned* (an SFT target, a preferred side, an exemplar): the label of a
+        held-out item whose reference answer the final assistant reply is, unless it is the trace's own
+        reference answer (``metadata.expected``), or None. Stricter than ``exclusion``, which lets a trace
+        with any reference of its own through (its wrong reply may be a preference pair's rejected side):
+        a reply learned positively must be its own trace's answer when it is a held-out one."""
+        if not self.answers:
             return None
         final = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
         if final is None:
             return None
+        own = metadata.get("expected")
+        mine = {_compared(o) for o in (own if isinstance(own, list) else [own]) if isinstance(o, str)}
         for text in message_texts(final):
-            item = self.answers.get(_compared(text))
-            if item is not None:
+            tokens = _compared(text)
+            item = self.answers.get(tokens)
+            if item is not None and tokens not in mine:
                 return self.labels[item]
         return None
 

@@ -213,7 +213,7 @@ def preference_pairs(
         for _, _, row in sorted(ranked[specialist], key=lambda r: (r[0], r[1]), reverse=True):
             # each side as it is trained on, with its own trace's metadata (a side's reply that is its own
             # reference answer is no held-out answer: ``heldout``); a correction's own text is checked here too
-            if any(
+            if heldout.teaches(row["messages"], row["metadata"]) or any(  # the preferred side is learned
                 heldout.exclusion(messages=row[side], metadata=row[meta]) is not None
                 for side, meta in (("messages", "metadata"), ("rejected", "rejected_metadata"))
             ):

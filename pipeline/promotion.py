@@ -7,14 +7,17 @@
   which sums to ``false_promotion_rate`` over every attempt against the same champion);
 - **no regression**: for every specialist, the lower ``1 - regression_error_rate`` confidence bound of its
   delta is above minus its tolerance (a non-inferiority test per specialist and attempt);
-- **enough items**: every specialist has ``min_heldout_samples`` held-out items;
+- **enough items**: every specialist has ``min_heldout_samples`` held-out items scored on both pairs;
 - **routing**: the router's accuracy on the contract's routing suite has not dropped below the parent's
   by more than ``routing.max_accuracy_drop``.
 
-The verdict's reasons say all of it in words and numbers. ``decide_step`` applies it. The registry is
-the truth about the champion: MLflow's ``champion`` alias of each specialist's adapter moves only after the
-registry's commit (``sync_champion_aliases``), and where that fails (MLflow unreachable between the two) the
-next sync (``ratchet advance``, ``ratchet promote``/``rollback``, ``ratchet sync-aliases``) repairs it.
+The comparison is made of the items scored on both pairs: the evaluation left out those a scorer could not
+score on either side (``evaluation["unscored"]``, at most ``promotion.max_unscored_share`` of them, or the
+evaluation step failed), and the verdict says how many. Its reasons say all of it in words and numbers.
+``decide_step`` applies it. The registry is the truth about the champion: MLflow's ``champion`` alias of
+each specialist's adapter moves only after the registry's commit (``sync_champion_aliases``), and where
+that fails (MLflow unreachable between the two) the next sync (``ratchet advance``, ``ratchet
+promote``/``rollback``, ``ratchet sync-aliases``) repairs it.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def judge(
     routing: RoutingSuite | None = None,
     router: dict[str, Any] | None = None,
     parent_router: dict[str, Any] | None = None,
+    unscored: dict[str, int] | None = None,
 ) -> Verdict:
-    """Apply the promotion gates to a paired comparison (see the module doc)."""
+    """Apply the promotion gates to a paired comparison (see the module doc). ``unscored``: per specialist,
+    the held-out items the evaluation left out of the comparison (named in the reasons; not a gate here)."""
     rate = gates.attempt_rate(attempt)
     lower = comparison.delta - t_quantile(1 - rate, comparison.df) * comparison.se
     verdict = Verdict(promote=True, attempt=attempt, rate=rate, lower=lower)
@@ -93,6 +98,9 @@ def judge(
         f"{rate:.4f} of the lineage's {gates.false_promotion_rate:g})"
     )
     reasons.append(head)
+    if unscored and (left_out := sum(unscored.values())):
+        where = ", ".join(f"{s} {n}" for s, n in sorted(unscored.items()) if n)
+        reasons.append(f"{left_out} held-out items left out, unscored on a pair ({where})")
     if lower <= gates.min_improvement:
         verdict.promote = False
         need = (
@@ -146,6 +154,7 @@ def decide_step(
                 routing=contract.routing,
                 router=evaluation.get("router"),
                 parent_router=evaluation.get("parent_router"),
+                unscored=evaluation.get("unscored"),
             )
             promote, decision = verdict.promote, verdict.decision
             gen.evaluation = {

@@ -297,3 +297,31 @@ def test_a_contract_may_name_whose_corrections_are_learned():
     narrowed = _with_selection(trusted_corrections=["editors"], max_share_per_principal=1.0)
     result = select_examples(cands, contract=narrowed, heldout=HELDOUT)
     assert _ids(result) == [1] and result.dropped.counts["chat"] == {"correction failed the contract": 1}
+
+
+def test_a_learned_reply_must_be_its_own_answer_when_it_is_a_held_out_one():
+    """A reply equal to a held-out item's reference answer (code, here) is learned only when it is the trace's
+    own reference answer. A trace with some other reference of its own passes the predicate (its wrong reply
+    may still be a preference pair's rejected side) but never becomes an SFT target."""
+    from pipeline.environment import heldout_suite
+    from pipeline.heldout import heldout_index
+    from pipeline.preferences import preference_pairs
+
+    index = heldout_index(CONTRACT)
+    answer = heldout_suite("coding", 1, seed=1234)[0]["metadata"]["expected"]  # e.g. def f(x):return x+57
+    tests = "assert True\n"
+    own = _cand(1, "write the function for me", answer, 1.0, specialist="coding",
+                metadata={"expected": answer, "tests": tests})  # fmt: skip
+    other = _cand(2, "write another function for me", answer, 1.0, specialist="coding",
+                  metadata={"expected": "zzz", "tests": tests})  # fmt: skip
+    none = _cand(3, "and one more for me", answer, 1.0, specialist="coding", metadata={"tests": tests})
+    result = select_examples([own, other, none], contract=CONTRACT, heldout=index)
+    assert _ids(result, "coding") == [1] and result.dropped.counts["coding"] == {"held-out": 2}
+    # as the rejected side of a pair, the same reply (wrong for its own reference) is kept
+    right = _cand(4, "f adds 1 2", "def f(x):return x+3", 1.0, specialist="coding",
+                  metadata={"expected": "def f(x):return x+3"})  # fmt: skip
+    wrong = _cand(5, "f adds 1 2", answer, 0.0, specialist="coding", metadata={"expected": "def f(x):return x+3"},
+                  failed=["python_tests"])  # fmt: skip
+    pairs = preference_pairs([right, wrong], contract=CONTRACT, heldout=index, specialists=["coding"],
+                             max_pairs={"coding": 10})  # fmt: skip
+    assert [r["rejected"][-1]["content"] for r in pairs.pairs["coding"]] == [answer]

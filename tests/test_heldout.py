@@ -530,6 +530,7 @@ def test_control_without_the_predicate_the_same_check_finds_the_leak(planted, mo
     from pipeline.heldout import HeldoutIndex
 
     monkeypatch.setattr(HeldoutIndex, "exclusion", lambda self, **kwargs: None)
+    monkeypatch.setattr(HeldoutIndex, "teaches", lambda self, *args: None)  # the predicate's learned-reply rule
     monkeypatch.setattr(eligibility, "_EXCLUDED", {})
     generation_id, prompts, _ = planted
     produced = _run_steps(generation_id, monkeypatch)
@@ -601,6 +602,7 @@ def test_disguises_sent_through_the_real_server_are_never_learned(small_base, tm
     texts = _serve(_contract(generation_id))
     if bypass:
         monkeypatch.setattr(HeldoutIndex, "exclusion", lambda self, **kwargs: None)
+        monkeypatch.setattr(HeldoutIndex, "teaches", lambda self, *args: None)
         monkeypatch.setattr(eligibility, "_EXCLUDED", {})
     produced = _run_steps(generation_id, monkeypatch)
     leaks = set(_leaks(produced["datasets"] + produced["pairs"] + produced["router"], texts))

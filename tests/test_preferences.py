@@ -76,10 +76,10 @@ def test_an_accepted_correction_beats_the_reply_it_corrects():
     cands = [
         _cand(
             1,
-            "12+35=?",
-            "48",
+            "13+35=?",  # a training sum of the demo contract (12+35 is one of its held-out items)
+            "49",
             0.17,
-            feedback={"rating": 1, "correction": "47"},
+            feedback={"rating": 1, "correction": "48"},
             correction=correction,
             failed=["exact_match"],
         ),  # fmt: skip
@@ -93,7 +93,7 @@ def test_an_accepted_correction_beats_the_reply_it_corrects():
         ),  # fmt: skip
     ]
     rows, _ = _pairs(cands)
-    assert [_replies(r) for r in rows] == [("47", "48")]
+    assert [_replies(r) for r in rows] == [("48", "49")]
 
 
 def test_held_out_material_never_reaches_a_pair():

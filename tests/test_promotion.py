@@ -89,6 +89,18 @@ def test_a_router_that_got_worse_blocks_promotion():
     assert not worse.promote and "router accuracy fell 0.900 -> 0.800" in worse.decision
 
 
+def test_the_verdict_says_how_many_items_were_left_out_unscored():
+    """The comparison holds only the items scored on both pairs; the verdict names the ones left out."""
+    champ = {"chat": _scores(0.2, 200, 1), "agent": _scores(0.3, 200, 2)}
+    cand = {"chat": _improved(champ["chat"], 0.15, 3), "agent": _improved(champ["agent"], 0.15, 4)}
+    verdict = judge(compare_scores(champ, cand), GATES, attempt=1, unscored={"chat": 3, "agent": 1})
+    assert (
+        verdict.promote
+        and "4 held-out items left out, unscored on a pair (agent 1, chat 3)" in verdict.decision
+    )
+    assert "left out" not in judge(compare_scores(champ, cand), GATES, attempt=1, unscored={}).decision
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("bench_gates", ROOT / "bench" / "gates.py")
     module = importlib.util.module_from_spec(spec)

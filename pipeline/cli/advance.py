@@ -45,6 +45,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "overall": ev.get("overall"),
                     "router_accuracy": (ev.get("router") or {}).get("accuracy"),
                     "attempt": ev.get("attempt"),
+                    "unscored": ev.get("unscored") or {},  # held-out items left out: unscored on a pair
                     "curation": {
                         "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
                         "dropped": curate.get("dropped") or {},

@@ -297,10 +297,12 @@ class JudgeScorer(ScorerBase):
     )
     timeout_s: float = Field(default=30.0, gt=0, description="HTTP timeout (seconds).")
     max_tokens: int = Field(
-        default=32,
+        default=128,
         ge=1,
         le=4096,
-        description='Most tokens the judge may answer with: its reply must be only a number or `{"grade": N}`.',
+        description="Most tokens the judge may answer with (sent as `max_tokens`): its reply must be only a "
+        'number or `{"grade": N}`, optionally with a short `"reason"` (300 characters in all); the default '
+        "fits that whole. A reply cut short is not a grade.",
     )
 
 

@@ -2,9 +2,14 @@
 
 The judge verifies free-form traffic that has no reference answer, so its endpoint, model, model version
 and rubric are all part of the contract (a changed judge is a new contract version). Only a grade the
-judge actually gave is a verdict: a reply that is exactly a number, or a small JSON object ``{"grade": N}``
-(optionally with a short ``"reason"``), within ``0..max_grade``. Anything else -- a sentence around a number,
-an error status, no answer -- is "not verified" (the turn is neither passed nor failed by it), never a pass.
+judge actually gave is a verdict: a reply that, stripped of surrounding whitespace, is exactly a number
+(``7``, ``7.5``: digits with an optional minus sign and decimal part) or a JSON object of at most
+``MAX_JSON_CHARS`` characters whose keys are ``grade`` (a finite number, not a boolean or a string) and
+optionally ``reason`` (a string) -- ``{"grade": 7}``, ``{"grade": 3, "reason": "wrong unit"}`` -- within
+``0..max_grade``. Anything else -- a sentence around a number ("Out of 10, I'd give it a 2."), a fraction, a
+code fence, a reply cut short at ``max_tokens``, an error status, no answer -- is no grade: value None with
+the error, "not verified" (the turn is neither passed nor failed by it), never a pass; in evaluation the
+item is unscored on that pair (``pipeline.evaluation.item_score``).
 
 The conversation (its system prompt included) and the reply are shown to the judge as quoted data between
 tags that carry a random nonce drawn for each call, named in the judge's instructions: the quoted material
