@@ -530,7 +530,7 @@ def test_control_without_the_predicate_the_same_check_finds_the_leak(planted, mo
     from pipeline.heldout import HeldoutIndex
 
     monkeypatch.setattr(HeldoutIndex, "exclusion", lambda self, **kwargs: None)
-    monkeypatch.setattr(HeldoutIndex, "teaches", lambda self, *args: None)  # the predicate's learned-reply rule
+    monkeypatch.setattr(HeldoutIndex, "teaches", lambda self, *args: None)  # its learned-reply rule too
     monkeypatch.setattr(eligibility, "_EXCLUDED", {})
     generation_id, prompts, _ = planted
     produced = _run_steps(generation_id, monkeypatch)
