@@ -29,12 +29,12 @@ def main() -> None:
 
     from pipeline.decoding import SamplingConfig, generate, load_model
     from pipeline.environment import FAMILIES, sample_prompts
-    from pipeline.packing import render_prompt
+    from pipeline.templating import encode_prompt
     from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 
     model, tok = load_model(ensure_tiny_model(config=TinyModelConfig(), cache_dir=args.cache))
     per = max(1, args.prompts // len(FAMILIES))
-    prompts = [render_prompt(tok, i["messages"]) for f in FAMILIES for i in sample_prompts(f, per, seed=0)]
+    prompts = [encode_prompt(tok, i["messages"]) for f in FAMILIES for i in sample_prompts(f, per, seed=0)]
     config = SamplingConfig(
         num_samples=args.samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
     )
@@ -48,9 +48,7 @@ def main() -> None:
     per_batch = max(1, args.batch_size // args.samples)
     with torch.inference_mode():
         for at in range(0, len(prompts), per_batch):
-            batch = tok(
-                prompts[at : at + per_batch], add_special_tokens=False, padding=True, return_tensors="pt"
-            )
+            batch = tok.pad({"input_ids": prompts[at : at + per_batch]}, padding=True, return_tensors="pt")
             model.generate(**batch, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
                            num_return_sequences=args.samples, max_new_tokens=args.max_new_tokens,
                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip

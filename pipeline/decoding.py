@@ -83,22 +83,26 @@ def load_model(
 def generate(
     model: Any,
     tokenizer: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[Sequence[int]],
     config: SamplingConfig = GREEDY,
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[list[str]]:
-    """Decode ``config.num_samples`` completions for each prompt text; returns one list per prompt.
+    """Decode ``config.num_samples`` completions for each prompt; returns one list per prompt.
 
-    Prompts are already rendered (e.g. ``packing.render_prompt``) and tokenized without extra special
-    tokens. Completions stop at an end token (``end_token_ids``), at the first stop string (excluded from the
-    text) or after ``max_new_tokens``. ``progress(done_sequences, total_sequences)`` after each batch.
+    Prompts are token ids, encoded by ``templating.encode_prompt`` (the chat template's scaffolding as
+    special tokens, content as its literal text): text is refused, so no prompt is ever tokenized again with
+    special-token parsing on. Completions stop at an end token (``end_token_ids``), at the first stop string
+    (excluded from the text) or after ``max_new_tokens``. ``progress(done_sequences, total_sequences)``
+    after each batch.
     """
     import torch
 
     if config.temperature == 0 and config.num_samples != 1:
         raise ValueError("greedy decoding (temperature 0) gives one completion per prompt; set num_samples=1")
-    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    if any(isinstance(p, str) for p in prompts):
+        raise TypeError("generate() takes prompts as token ids (templating.encode_prompt), not text")
+    encoded = [list(p) for p in prompts]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(config.num_samples)]
     jobs.sort(key=lambda j: len(encoded[j[0]]))  # similar lengths share a batch: little left padding
     out: list[list[str]] = [[""] * config.num_samples for _ in prompts]

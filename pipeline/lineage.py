@@ -11,6 +11,7 @@ from pipeline.errors import ConflictError, NotFoundError, RatchetError
 if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
     from pipeline.harness import HarnessSpec
+    from pipeline.modelspec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,27 @@ def require_clean_tasks(contract: ContractSpec, *, contract_path: Path) -> dict[
     return counts
 
 
+def require_template(
+    model: ModelSpec, harness: HarnessSpec, *, model_path: Path, base_path: Path, specialists: list[str]
+) -> list[str]:
+    """Refuse a model whose chat template rejects a feature the harness uses (``probes.check_template``:
+    a system prompt, a tool result, the exemplars, an exemplar's several calls in one reply), with one line
+    naming it; returns the warnings (several calls in one reply, where no exemplar needs them)."""
+    from pipeline.probes import check_template, spec_tokenizer
+
+    try:
+        tokenizer = spec_tokenizer(
+            model,
+            base_dir=base_path if model.base.path is not None else None,
+            tokenizer_dir=Path(model.tokenizer) if model.tokenizer != "same_as_base" else None,
+        )
+    except RatchetError as exc:
+        raise RatchetError(f"{model_path}: {exc}") from None
+    return check_template(
+        tokenizer, harness, specialists=specialists, model=model.name, where=str(model_path)
+    )
+
+
 def base_model_dir(*, home: Path, name: str, spec_hash: str) -> Path:
     """Where the built tiny base model of a model spec lives (built on first use)."""
     return (home / "models" / f"{name}-{spec_hash[:12]}").resolve()
@@ -98,7 +120,8 @@ def init_lineage(
     """Register the three specs (content-addressed) and create generation 0 as the lineage's champion.
 
     Running it again with the same files is a no-op; with different files for an existing lineage it is
-    refused (start another lineage with ``--lineage``).
+    refused (start another lineage with ``--lineage``). A model whose chat template rejects a feature the
+    harness uses is refused (``require_template``).
     """
     from pipeline.compatibility import require_compatible
     from pipeline.contract import load_contract, verify_files
@@ -163,6 +186,7 @@ def init_lineage(
                 "tokenizer_config.json)"
             )
         model = model.model_copy(update={"tokenizer": str(tok)})
+    require_template(model, harness, model_path=model_path, base_path=base_path, specialists=specialists)
 
     with session_scope(get_engine()) as session:
         base = register_base_model(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from pipeline.errors import RatchetError
 
 if TYPE_CHECKING:
@@ -146,8 +148,8 @@ def answer_items(
     """
     from pipeline.clock import CLOCK
     from pipeline.decoding import SamplingConfig, generate
-    from pipeline.packing import render_prompt
     from pipeline.prompting import decoding_for, render_messages
+    from pipeline.templating import encode_prompt
     from pipeline.toolcalls import answered_trace
 
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
@@ -174,15 +176,20 @@ def answer_items(
         )
         fmt = pair.harness.tool_call_format
         tools = offered_tools(pair.harness, specialist)
-        prompts = [
-            render_prompt(
-                tokenizer,
-                render_messages(pair.harness, specialist, it["messages"]),
-                fmt=fmt,
-                tools=(it.get("metadata") or {}).get("tools") or tools,
-            )
-            for it in items
-        ]
+        try:
+            prompts = [
+                encode_prompt(
+                    tokenizer,
+                    render_messages(pair.harness, specialist, it["messages"]),
+                    fmt=fmt,
+                    tools=(it.get("metadata") or {}).get("tools") or tools,
+                )
+                for it in items
+            ]
+        except TemplateError as exc:  # the model and the harness do not fit (``probes`` checks at init)
+            raise RatchetError(
+                f"specialist {specialist!r}: the chat template refuses a task item's prompt: {exc}"
+            ) from None
         base_done = done
 
         share = len(items) * num_samples

@@ -117,7 +117,8 @@ def build_tiny_model(
     import torch
     from transformers import LlamaForCausalLM
 
-    from pipeline.packing import encode_chat, packed_tensors
+    from pipeline.packing import packed_tensors
+    from pipeline.templating import RowSkipped, encode_chat
 
     seed = config.seed if seed is None else seed
     if any(t.get("metadata", {}).get("split") == "heldout" for t in corpus_texts):
@@ -126,7 +127,12 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     model = LlamaForCausalLM(_model_config(config, tokenizer))
     model.train()
-    examples = [encode_chat(tokenizer, t["messages"], config.max_position_embeddings) for t in corpus_texts]
+    examples = []
+    for t in corpus_texts:
+        try:
+            examples.append(encode_chat(tokenizer, t["messages"], config.max_position_embeddings))
+        except RowSkipped as exc:  # longer than the model's positions even cut: never trained half
+            log.warning("a bootstrap trace is left out: %s", exc)
     optim = torch.optim.AdamW(
         model.parameters(), lr=config.bootstrap_lr, weight_decay=0.01, betas=(0.9, 0.98)
     )

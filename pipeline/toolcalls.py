@@ -16,6 +16,10 @@ name is one of the offered tools, so plain prose is never mistaken for a call. `
 one reader of a model's reply that the loop and the server share: the OpenAI assistant message of a
 completion (prose before ``<tool_call>`` blocks is kept as its content). ``register_format`` adds a
 format. ``to_openai`` / ``from_openai`` convert to and from OpenAI's shape. Pure functions, no torch.
+
+Tool-call ids are 9 letters and digits (``call_id``): the one shape every chat-template family accepts
+(Mistral's templates refuse any other); ``template_call_id`` maps an id of any other shape (an ingested
+OpenAI ``call_...``) to one, the same way every time, so a call and its result keep matching ids.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -231,11 +236,32 @@ def call_text(name: str, arguments: dict[str, Any], fmt: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------- openai
+CALL_ID_LENGTH = 9
+_ALNUM = string.digits + string.ascii_letters
+_CALL_ID = re.compile(rf"[A-Za-z0-9]{{{CALL_ID_LENGTH}}}")
+
+
+def call_id(seed: str) -> str:
+    """A tool-call id: 9 letters and digits from the sha256 of ``seed`` (the same seed, the same id)."""
+    number = int.from_bytes(hashlib.sha256(seed.encode("utf-8", "surrogatepass")).digest(), "big")
+    out = []
+    for _ in range(CALL_ID_LENGTH):
+        number, digit = divmod(number, len(_ALNUM))
+        out.append(_ALNUM[digit])
+    return "".join(out)
+
+
+def template_call_id(raw: Any) -> str:
+    """The id a chat template is given for a tool call's id ``raw``: unchanged when it is already 9 letters
+    and digits, else ``call_id`` of it (deterministic: a call and its tool result still match)."""
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    return text if _CALL_ID.fullmatch(text) else call_id(f"template:{text}")
+
+
 def openai_tool_call(call: Call, *, seed_text: str = "") -> dict[str, Any]:
-    """Wrap ``{"name", "arguments"}`` as an OpenAI ``tool_calls`` entry with a stable id."""
-    digest = hashlib.sha256((seed_text + json.dumps(call, sort_keys=True)).encode()).hexdigest()[:12]
+    """Wrap ``{"name", "arguments"}`` as an OpenAI ``tool_calls`` entry with a stable id (``call_id``)."""
     return {
-        "id": f"call_{digest}",
+        "id": call_id(seed_text + json.dumps(call, sort_keys=True)),
         "type": "function",
         "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], separators=(",", ":"))},
     }

@@ -1,4 +1,5 @@
-"""Batched decoding: agreement with transformers' greedy generate, sampling, stop strings, k samples."""
+"""Batched decoding: agreement with transformers' greedy generate, sampling, stop strings, k samples; prompts
+are token ids (``templating.encode_prompt``), never text."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from pipeline.decoding import SamplingConfig, generate, load_model
 from pipeline.environment import FAMILIES, sample_prompts
-from pipeline.packing import render_prompt
+from pipeline.templating import encode_prompt
 from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -23,7 +24,7 @@ def loaded(tmp_path_factory):
 def prompts(loaded):
     _, tok = loaded
     items = [i for f in FAMILIES for i in sample_prompts(f, 5, seed=0)]
-    return [render_prompt(tok, i["messages"]) for i in items]
+    return [encode_prompt(tok, i["messages"]) for i in items]
 
 
 def test_greedy_matches_transformers_generate(loaded, prompts):
@@ -32,7 +33,7 @@ def test_greedy_matches_transformers_generate(loaded, prompts):
     model, tok = loaded
     ours = generate(model, tok, prompts, SamplingConfig(temperature=0, max_new_tokens=12, batch_size=7))
     for prompt, (text,) in zip(prompts, ours, strict=True):
-        ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)  # fmt: skip
@@ -60,3 +61,11 @@ def test_stop_strings_and_progress(loaded, prompts):
     for (f,), (c,) in zip(full, cut, strict=True):
         assert f.startswith(c) and "(" not in c and "1" not in c
     assert seen[-1] == (len(prompts), len(prompts))
+
+
+def test_text_prompts_are_refused(loaded):
+    """A rendered string would be tokenized again with special-token parsing on: content holding a role
+    marker's text would become the role marker. ``generate`` takes ids only."""
+    model, tok = loaded
+    with pytest.raises(TypeError, match="token ids"):
+        generate(model, tok, ["<|user|>1+2=?<|assistant|>"], SamplingConfig(temperature=0, max_new_tokens=2))

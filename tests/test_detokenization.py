@@ -120,7 +120,8 @@ def test_loop_decoding_matches_transformers_generate(real_model):
     kind, model, tokenizer = real_model
     prompts = [chat_prompt(tokenizer, p) for p in PROMPTS]
     config = SamplingConfig(temperature=0.0, max_new_tokens=24, batch_size=1)
-    ours = [texts[0] for texts in generate(model, tokenizer, prompts, config)]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]  # benign prompts
+    ours = [texts[0] for texts in generate(model, tokenizer, encoded, config)]
     refs = [hf_greedy(model, tokenizer, p, 24) for p in prompts]
     assert ours == [tokenizer.decode(ids, skip_special_tokens=True) for ids in refs]
     # the taught reply splits characters (byte-level) or drops spaces (Metaspace) token by token

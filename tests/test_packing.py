@@ -43,7 +43,10 @@ def labelled_text(tok, ids, labels) -> str:
 def test_openai_format_keeps_structured_calls_and_ids():
     msgs = model_messages(CONVERSATION, "openai")
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "set_timer", "arguments": {"minutes": 47}}
-    assert msgs[3]["tool_call_id"] == "call_1"
+    # an ingested OpenAI id is given to the template as 9 alphanumerics (what every family takes), the same
+    # in the call and in its result
+    called = msgs[2]["tool_calls"][0]["id"]
+    assert msgs[3]["tool_call_id"] == called and len(called) == 9 and called.isalnum() and called != "call_1"
     compact = model_messages(CONVERSATION, "compact")
     assert compact[2] == {"role": "assistant", "content": "set_timer(minutes=47)"}
     assert json.loads(model_messages(CONVERSATION, "json")[2]["content"]) == {

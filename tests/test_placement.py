@@ -55,12 +55,11 @@ def test_loaded_models_follow_the_placement(tmp_path):
     from realmodel import build_real_model
 
     from pipeline.decoding import SamplingConfig, generate, load_model
+    from pipeline.templating import encode_prompt
 
     path = build_real_model(tmp_path / "m")
     model, tok = load_model(path, where=placement(dtype="bfloat16", device="cpu"))
     assert next(model.parameters()).dtype == torch.bfloat16
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    prompt = encode_prompt(tok, [{"role": "user", "content": "hi"}])
     (texts,) = generate(model, tok, [prompt], SamplingConfig(temperature=0.0, max_new_tokens=4))
     assert isinstance(texts[0], str)

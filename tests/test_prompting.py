@@ -22,6 +22,7 @@ from pipeline.prompting import (
     prompt_chars,
     render_messages,
 )
+from pipeline.toolcalls import call_id
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = yaml.safe_load((ROOT / "harnesses" / "demo.yaml").read_text())
@@ -71,7 +72,8 @@ def test_exemplar_tool_calls_are_openai_messages():
     (ex,) = exemplar_messages(h, "agent")
     assert ex[0] == TIMER
     (tc,) = ex[1]["tool_calls"]
-    assert ex[1]["content"] is None and tc["type"] == "function" and tc["id"] == "call_ex0_1_0"
+    assert ex[1]["content"] is None and tc["type"] == "function" and tc["id"] == call_id("exemplar:0:1:0")
+    assert len(tc["id"]) == 9 and tc["id"].isalnum()  # the one id shape every chat template takes
     assert tc["function"] == {"name": "set_timer", "arguments": '{"minutes":12}'}
     # Counted as the model writes it: compact text here.
     assert message_chars(ex[1], "compact") == len("set_timer(minutes=12)") + MESSAGE_OVERHEAD_CHARS

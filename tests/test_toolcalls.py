@@ -65,3 +65,25 @@ def test_a_number_longer_than_python_converts_is_not_a_call_and_never_a_crash():
         assert assistant_message(text, ["set_timer"], fmt) == {"role": "assistant", "content": text}
     call = {"function": {"name": "set_timer", "arguments": f'{{"minutes": {huge}}}'}}
     assert from_openai([call])[0]["arguments"] == {"_raw": f'{{"minutes": {huge}}}'}
+
+
+def test_tool_call_ids_are_nine_alphanumerics_every_template_accepts():
+    """Mistral's templates refuse any id but 9 letters and digits; every family takes those. New ids have that
+    shape; an ingested OpenAI id is mapped to it the same way each time (a call and its result still match)."""
+    import re
+
+    from pipeline.toolcalls import call_id, openai_tool_call, template_call_id, to_openai
+
+    ids = [
+        tc["id"] for tc in to_openai([{"name": "set_timer", "arguments": {"minutes": m}} for m in range(50)])
+    ]
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids) and len(set(ids)) == 50
+    assert openai_tool_call({"name": "a", "arguments": {}}, seed_text="s")["id"] == call_id(
+        's{"arguments": {}, "name": "a"}'
+    )
+    assert (
+        template_call_id("call_3f9a0c1b2d4e") == template_call_id("call_3f9a0c1b2d4e") != "call_3f9a0c1b2d4e"
+    )
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", template_call_id("call_3f9a0c1b2d4e"))
+    assert template_call_id("abcDEF123") == "abcDEF123"  # already fits: unchanged
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", template_call_id(None))

@@ -88,8 +88,15 @@ def lint(
     contract_file: Path | None = typer.Option(
         None, "--contract", help="Also check every harness against this contract's context protocol."
     ),
+    model_file: Path | None = typer.Option(
+        None,
+        "--model",
+        help="Also render every harness's probe conversations through this model's chat template.",
+    ),
 ) -> None:
-    """Validate spec files; print every problem as `file:line: field: message`."""
+    """Validate spec files; print every problem as `file:line: field: message`. With a model spec among the
+    files (or `--model`), every harness among them is probed through the model's chat template as `ratchet
+    init` does (a system prompt, a tool result, the exemplars, several calls in one reply)."""
     from pipeline.contract import load_contract
     from pipeline.errors import RatchetError
     from pipeline.spec import content_hash
@@ -97,20 +104,60 @@ def lint(
     if kind not in (*KINDS, "auto"):
         raise RatchetError(f"--kind must be one of contract, harness, model, auto (got {kind!r})")
     contract = load_contract(contract_file) if contract_file is not None else None
-    failed = 0
+    failed, loaded = 0, []
     for path in files:
-        issues, spec, _ = lint_file(path, kind=kind, contract=contract)
+        issues, spec, found = lint_file(path, kind=kind, contract=contract)
         for issue in issues:
             typer.echo(issue)
         if issues:
             failed += 1
             continue
+        loaded.append((path, spec, found))
         version = getattr(spec, "version", None)
         label = f"{spec.name} {version}" if version is not None else spec.name
         typer.echo(f"ok {path} ({label} {content_hash(spec)[:12]})")
+    if model_file is not None:
+        from pipeline.modelspec import load_model_spec
+
+        loaded.append((model_file, load_model_spec(model_file), "model"))
+    failed += probe_templates(
+        [(p, s) for p, s, k in loaded if k == "model"], [s for _, s, k in loaded if k == "harness"]
+    )
     if failed:
         # A RatchetError, not typer.Exit: main() runs click in non-standalone mode, where Exit codes are lost.
         raise RatchetError(f"{failed} of {len(files)} file(s) failed lint")
+
+
+def probe_templates(models: list[tuple[Path, Any]], harnesses: list[Any]) -> int:
+    """Probe every harness through every model's chat template (``probes.check_template``); print one line
+    per refusal or warning and an ``ok`` line per pair that passes; return the number of refusals."""
+    from pipeline.errors import RatchetError
+    from pipeline.probes import check_template, spec_dirs, spec_tokenizer
+
+    refused = 0
+    for path, model in models if harnesses else []:
+        try:
+            base_dir, tokenizer_dir = spec_dirs(model, path)
+            tokenizer = spec_tokenizer(model, base_dir=base_dir, tokenizer_dir=tokenizer_dir)
+        except RatchetError as exc:
+            typer.echo(f"{path}: {exc}")
+            refused += 1
+            continue
+        for harness in harnesses:
+            specialists = sorted(set(model.specialists) & set(harness.specialists))
+            try:
+                warnings = check_template(tokenizer, harness, specialists=specialists, model=model.name,
+                                          where=str(path))  # fmt: skip
+            except RatchetError as exc:
+                typer.echo(str(exc))
+                refused += 1
+                continue
+            for warning in warnings:
+                typer.echo(f"warning: {warning}")
+            typer.echo(
+                f"ok {path}: the chat template of {model.name} takes harness {harness.name} {harness.version}"
+            )
+    return refused
 
 
 @contract_app.command("schema")

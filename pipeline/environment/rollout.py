@@ -55,7 +55,7 @@ def collect(
     (``metadata.verified = True``; ``dedupe`` keeps one per distinct (item, completion)). Refuses
     held-out items: they never enter a training stream."""
     from pipeline.decoding import SamplingConfig, generate
-    from pipeline.packing import render_prompt
+    from pipeline.templating import encode_prompt
 
     if any(item["metadata"].get("split") == "heldout" for item in items):
         raise ValueError("collect() got held-out items; held-out items never enter a training set")
@@ -67,7 +67,7 @@ def collect(
         batch_size=batch_size,
         seed=seed,
     )
-    prompts = [render_prompt(tokenizer, item["messages"]) for item in items]
+    prompts = [encode_prompt(tokenizer, item["messages"]) for item in items]
     completions = generate(model, tokenizer, prompts, config, progress=progress)
     traces, solved, verified, seen = [], 0, 0, set()
     for item, texts in zip(items, completions, strict=True):
@@ -101,12 +101,12 @@ def evaluate(
 ) -> EvalResult:
     """Greedy accuracy of the model on ``suite`` (held-out items), by the environment's verifiers."""
     from pipeline.decoding import SamplingConfig, generate
-    from pipeline.packing import render_prompt
+    from pipeline.templating import encode_prompt
 
     config = SamplingConfig(
         temperature=0.0, num_samples=1, max_new_tokens=max_new_tokens, batch_size=batch_size
     )
-    prompts = [render_prompt(tokenizer, item["messages"]) for item in suite]
+    prompts = [encode_prompt(tokenizer, item["messages"]) for item in suite]
     completions = generate(model, tokenizer, prompts, config, progress=progress)
     hits: dict[str, list[bool]] = defaultdict(list)
     failures = []

@@ -141,10 +141,9 @@ class ExternalEngine:
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         if self.tokenizer is not None:
-            from pipeline.packing import render_prompt
+            from pipeline.templating import encode_prompt
 
-            text = render_prompt(self.tokenizer, messages, fmt="openai", tools=tools)
-            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return len(encode_prompt(self.tokenizer, messages, fmt="openai", tools=tools))
         chars = sum(len(str(m.get("content") or "")) + 8 for m in messages) + len(str(tools or ""))
         return int(chars / self.chars_per_token) + 1
 
@@ -202,7 +201,12 @@ class ExternalEngine:
 
     def _stopped(self, request: EngineRequest, text: str) -> EngineResult:
         reason = (request.abort.reason if request.abort is not None else None) or "cancelled"
-        tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"] if self.tokenizer else ()
+        if self.tokenizer is not None:
+            from pipeline.templating import encode_text
+
+            tokens = encode_text(self.tokenizer, text)  # the model's text, counted as text
+        else:
+            tokens = []
         return EngineResult(text, self.count_tokens(request.messages), len(tokens), reason)
 
     async def _events(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:

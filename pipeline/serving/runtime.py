@@ -207,12 +207,13 @@ class MixtureRuntime:
         return specialist if specialist in self.adapters else BASE
 
     def encode(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Prompt token ids for a conversation (the training chat rendering, with the assistant header;
-        tool calls in the harness's format, the offered tools' schemas given to the template)."""
-        from pipeline.packing import render_prompt
+        """Prompt token ids for a conversation: ``templating.encode_prompt``, the ids training gives the same
+        context (tool calls in the harness's format, the offered tools' schemas given to the template; what
+        the client sent is inert text, only the template's scaffolding is special tokens). A template that
+        refuses the conversation raises ``jinja2.TemplateError``."""
+        from pipeline.templating import encode_prompt
 
-        text = render_prompt(self.tokenizer, messages, fmt=self.tool_call_format, tools=tools)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt(self.tokenizer, messages, fmt=self.tool_call_format, tools=tools)
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.encode(messages, tools))
@@ -269,8 +270,10 @@ class MixtureRuntime:
         """Constrained label decoding: P(label | conversation) under ``adapter``, over ``labels`` only."""
         import torch
 
+        from pipeline.templating import encode_text
+
         prompt = self.encode(messages)
-        rows = [prompt + self.tokenizer(lab, add_special_tokens=False)["input_ids"] for lab in labels]
+        rows = [prompt + encode_text(self.tokenizer, lab) for lab in labels]
         if self.tokenizer.eos_token_id is not None:
             rows = [r + [self.tokenizer.eos_token_id] for r in rows]
         width = max(len(r) for r in rows)

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams
 from pipeline.principals import ANONYMOUS_PRINCIPAL, Principal
@@ -223,7 +225,13 @@ class ServerState:
             return None
 
     async def prepare(self, req: ChatRequest, *, started: float, slot: Slot | None = None) -> ChatTurn:
-        """Route the request and build the specialist's view of the conversation."""
+        """Route the request and build the specialist's view of the conversation; a view the model's chat
+        template refuses is the client's 400 (one line: the template's own words), never a 500."""
+
+        def _refused(exc: TemplateError) -> str:
+            said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"the model's chat template refuses this conversation: {said}"
+
         served = self.current
         assert served is not None
         messages = req.plain_messages()
@@ -232,7 +240,10 @@ class ServerState:
         turn = turn_from_messages(
             messages, issuer_of=self.memory.issuers(messages), tools_offered=bool(tool_names)
         )
-        learned = None if turn.tool_result_for else await self.learned_scores(served, turn.text, messages)
+        try:
+            learned = None if turn.tool_result_for else await self.learned_scores(served, turn.text, messages)
+        except TemplateError as exc:  # the model's chat template refuses the router's prompt
+            raise ApiError(400, _refused(exc), param="messages") from None
         decision = route_turn(turn, served.harness.routing, learned=learned, specialists=served.specialists)
         sp = served.harness.specialists.get(decision.specialist)
         dec = sp.decoding if sp is not None else DecodingParams()
@@ -257,6 +268,8 @@ class ServerState:
             )
         except ContextOverflowError as exc:
             raise ApiError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        except TemplateError as exc:  # e.g. a system prompt, a tool result or two calls the template refuses
+            raise ApiError(400, _refused(exc), param="messages") from None
         ereq = EngineRequest(
             specialist=decision.specialist,
             messages=view,

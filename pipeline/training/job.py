@@ -2,7 +2,9 @@
 
 ``train_lora`` fine-tunes one LoRA adapter on a frozen base model from a ``datasets`` dataset saved with
 ``save_to_disk`` (rows with OpenAI-style ``messages``; loss on assistant tokens only). A successor
-continues its parent's adapter weights. Batches are packed (``pipeline.packing``): several examples
+continues its parent's adapter weights. A row the chat template refuses, or that does not fit
+``max_seq_len`` even with its oldest turns cut, is left out and counted by reason (``encode_rows``,
+``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. Batches are packed (``pipeline.packing``): several examples
 share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
 other, so no compute goes to padding. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
 ``W x + scale * B (A x)`` with the same gradients, in fewer and larger matmuls),
@@ -29,7 +31,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +86,9 @@ class TrainResult:
     # (step, loss) at most ``LOSS_POINTS`` times over the run (the registry keeps it for the dashboard;
     # MLflow has every step); a resumed job's curve starts where it resumed
     loss_curve: tuple[tuple[int, float], ...] = ()
+    # rows (SFT examples, DPO pairs, GRPO episodes) left out, by reason (``templating``: the chat template
+    # refuses the row, it does not fit max_seq_len even cut, the template rewrites the trained turn, ...)
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 LOSS_POINTS = 200
@@ -143,6 +148,42 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
 
 
 MAX_SEQ_LEN_DEFAULT = 2048
+NO_TARGET = "no assistant turn"  # a row with nothing to train on
+
+
+def encode_rows(
+    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
+) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
+    """``(examples, dropped)``: each row's ids and labels (``templating.encode_chat``: content inert, the
+    oldest context cut to fit ``max_len``, never the target's end), and the rows left out by reason -- the
+    chat template refuses the row, it does not fit, the template rewrites the trained turn, nothing to train
+    on. A job never stops on one row."""
+    from pipeline.templating import RowSkipped, encode_chat
+
+    examples, dropped = [], {}
+    for r in rows:
+        try:
+            tools = json.loads(r.get("tools") or "[]") or None
+            ids, labels = encode_chat(tokenizer, r["messages"], max_len, fmt=fmt, tools=tools)
+        except RowSkipped as exc:
+            log.warning("%s: a row is left out: %s", where, exc)
+            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+            continue
+        if not any(label != -100 for label in labels):
+            dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1
+            continue
+        examples.append((ids, labels))
+    return examples, dropped
+
+
+def _dropped_text(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items())) or "no row"
+
+
+def log_dropped(tracker: Any, dropped: dict[str, int], step: int = 0) -> None:
+    """Record the rows left out, by reason, in the job's MLflow run (``rows_dropped_<reason>``)."""
+    for reason, n in sorted(dropped.items()):
+        tracker.log_metric(f"rows_dropped_{reason.replace(' ', '_')}", float(n), step=step)
 
 
 def sequence_limit(base_model_dir: Path) -> int:
@@ -179,7 +220,7 @@ def train_lora(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.packing import encode_chat, packed_tensors
+    from pipeline.packing import packed_tensors
     from pipeline.placement import placement
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
@@ -202,19 +243,13 @@ def train_lora(
     # Llama-3-style tokenizers have no pad token: pad with EOS (padding is masked out of attention and loss).
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     max_len = config.max_seq_len or sequence_limit(base_model_dir)
-    examples, unlabelled = [], 0
-    for r in rows:
-        try:
-            tools = json.loads(r.get("tools") or "[]") or None
-            example = encode_chat(tokenizer, r["messages"], max_len, fmt=config.tool_call_format, tools=tools)
-        except ValueError as exc:  # a template that rewrites the trained turn: leave the row out, say so
-            log.warning("%s: a row is left out: %s", dataset_dir, exc)
-            unlabelled += 1
-            continue
-        examples.append(example)
-    examples = [e for e in examples if any(label != -100 for label in e[1])]
+    examples, dropped = encode_rows(
+        tokenizer, rows, max_len, fmt=config.tool_call_format, where=str(dataset_dir)
+    )
     if not examples:
-        raise RatchetError(f"{dataset_dir}: no row has an assistant turn to train on")
+        raise RatchetError(
+            f"{dataset_dir}: no row has an assistant turn to train on ({_dropped_text(dropped)})"
+        )
     model = policy_model(  # the parent's adapter, continued, or a fresh LoRA; safetensors only
         base_model_dir,
         rank=config.rank,
@@ -247,10 +282,11 @@ def train_lora(
                     **asdict(config),
                     "dataset_sha256": data_hash,
                     "examples": len(examples),
-                    "rows_left_out": unlabelled,
+                    "rows_left_out": sum(dropped.values()),
                     "total_steps": total,
                 }
             )
+            log_dropped(tracker, dropped)
         tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
         curve: list[tuple[int, float]] = []
         every = max(1, -(-total // LOSS_POINTS))
@@ -279,7 +315,8 @@ def train_lora(
             if interrupted:
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
-                                   len(examples), seconds, run_id, completed=False, loss_curve=tuple(curve))  # fmt: skip
+                                   len(examples), seconds, run_id, completed=False, loss_curve=tuple(curve),
+                                   dropped=dropped)  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -307,4 +344,4 @@ def train_lora(
     shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim
     return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
-                       len(examples), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
+                       len(examples), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip

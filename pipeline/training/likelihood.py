@@ -104,19 +104,27 @@ def encode_episode(
     tools: list[dict[str, Any]] | None = None,
     turns: int = 1,
 ) -> tuple[list[int], list[int]]:
-    """``packing.encode_chat`` with the last ``turns`` assistant turns labelled, not only the last: the turns
-    an RL episode's policy wrote (a tool call, then an answer after the tool's result), never an exemplar's or
-    a task item's own. An earlier turn's labels come from encoding the conversation up to it, where that
-    encoding is a prefix of the whole one (a prefix-stable template); a turn the template renders
-    differently later stays unlabelled. Tool results and user turns are never labelled. ``ValueError`` as
-    ``encode_chat`` (a template that rewrites the final turn)."""
-    from pipeline.packing import IGNORE, encode_chat
+    """``templating.encode_chat`` with the last ``turns`` assistant turns labelled, not only the last: the
+    turns an RL episode's policy wrote (a tool call, then an answer after the tool's result), never an
+    exemplar's or a task item's own. An earlier turn's labels come from encoding the conversation up to it,
+    where that encoding is a prefix of the whole one (a prefix-stable template); a turn the template renders
+    differently later (or that the template refuses alone, or that only fitted with less context cut) stays
+    unlabelled. Tool results and user turns are never labelled; what the model wrote is inert text, so a
+    label is never a role token it did not write. ``templating.RowSkipped`` as ``encode_chat`` (the template
+    refuses the episode, it does not fit, it rewrites the final turn): the caller leaves it out, counted."""
+    from pipeline.templating import IGNORE, RowSkipped, encode_chat
 
     ids, labels = encode_chat(tokenizer, messages, max_len, fmt=fmt, tools=tools)
     labels = list(labels)
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     for index in assistant[-turns:-1] if turns > 1 else []:
-        head_ids, head_labels = encode_chat(tokenizer, messages[: index + 1], max_len, fmt=fmt, tools=tools)
+        try:
+            head_ids, head_labels = encode_chat(
+                tokenizer, messages[: index + 1], max_len, fmt=fmt, tools=tools
+            )
+        except RowSkipped as exc:
+            log.debug("assistant turn %d cannot be encoded alone (%s): left unlabelled", index, exc)
+            continue
         if ids[: len(head_ids)] != head_ids:
             log.debug("assistant turn %d is rendered differently later: left unlabelled", index)
             continue

@@ -12,7 +12,7 @@ lowering the preferred reply's probability along with the other's.
 
 Why not TRL's ``DPOTrainer`` (``README.md``, *Training methods*): its checkpoints keep optimizer, scheduler
 and RNG state as pickles, which no training artifact of Ratchet is ever read through (``checkpoint``); and a
-pair must be rendered exactly as SFT and serving render it (``packing.encode_chat``: the harness's tool-call
+pair must be rendered exactly as SFT and serving render it (``templating.encode_chat``: the harness's tool-call
 format, tool schemas to the template, non-prefix-stable templates), which this job shares with SFT instead
 of a second tokenisation path. The loss is the paper's and is checked against a direct computation in
 ``tests/test_preference.py``.
@@ -82,11 +82,19 @@ def train_dpo(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.packing import IGNORE, encode_chat
     from pipeline.placement import placement
+    from pipeline.templating import IGNORE, RowSkipped, encode_chat
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
-    from pipeline.training.job import LOSS_POINTS, TrainResult, batch_indices, git_describe, sequence_limit
+    from pipeline.training.job import (
+        LOSS_POINTS,
+        NO_TARGET,
+        TrainResult,
+        batch_indices,
+        git_describe,
+        log_dropped,
+        sequence_limit,
+    )
     from pipeline.training.kernels import merged_lora
     from pipeline.training.likelihood import optimizer, policy_model, reference_model, sequence_logprobs
 
@@ -107,22 +115,24 @@ def train_dpo(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_model_dir)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     max_len = max_seq_len or sequence_limit(base_model_dir)
-    pairs, left_out = [], 0
+    pairs, dropped = [], {}
     for r in rows:
         tools = json.loads(r.get("tools") or "[]") or None
-        try:
+        try:  # each side cut to fit on its own (never its reply); a side that cannot be encoded drops the pair
             chosen = encode_chat(tokenizer, r["messages"], max_len, fmt=tool_call_format, tools=tools)
             rejected = encode_chat(tokenizer, r["rejected"], max_len, fmt=tool_call_format, tools=tools)
-        except ValueError as exc:  # a template that rewrites the trained turn: leave the pair out, say so
+        except RowSkipped as exc:  # the template refuses it, it does not fit, it rewrites the reply
             log.warning("%s: a pair is left out: %s", dataset_dir, exc)
-            left_out += 1
+            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
             continue
         if all(label == IGNORE for label in chosen[1]) or all(label == IGNORE for label in rejected[1]):
-            left_out += 1  # the reply was cut off by max_seq_len: nothing to compare
+            dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1  # nothing to compare
             continue
         pairs.append((chosen, rejected))
     if not pairs:
-        raise RatchetError(f"{dataset_dir}: no preference pair has both replies to train on")
+        raise RatchetError(
+            f"{dataset_dir}: no preference pair has both replies to train on (left out, by reason: {dropped})"
+        )
     model = policy_model(
         base_model_dir,
         rank=lora.rank,
@@ -183,8 +193,10 @@ def train_dpo(
             )  # fmt: skip
             tracker.log_params(
                 {**settings.model_dump(), "method": "dpo", "rank": lora.rank, "alpha": lora.alpha, "seed": seed,
-                 "dataset_sha256": data_hash, "pairs": len(pairs), "pairs_left_out": left_out, "total_steps": total}
+                 "dataset_sha256": data_hash, "pairs": len(pairs), "pairs_left_out": sum(dropped.values()),
+                 "total_steps": total}
             )  # fmt: skip
+            log_dropped(tracker, dropped)
         loss_value, started, step, tokens = float("nan"), time.perf_counter(), start, 0
         curve: list[tuple[int, float]] = []
         every = max(1, -(-total // LOSS_POINTS))
@@ -226,7 +238,8 @@ def train_dpo(
             if interrupted:
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
-                                   len(pairs), seconds, run_id, completed=False, loss_curve=tuple(curve))  # fmt: skip
+                                   len(pairs), seconds, run_id, completed=False, loss_curve=tuple(curve),
+                                   dropped=dropped)  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -253,7 +266,7 @@ def train_dpo(
     shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim
     return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
-                       len(pairs), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
+                       len(pairs), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip
 
 
 def pairs_sha256(rows: list[dict[str, Any]]) -> str:

@@ -108,9 +108,17 @@ def train_grpo(
     from transformers import AutoTokenizer
 
     from pipeline.placement import placement
+    from pipeline.templating import RowSkipped
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
-    from pipeline.training.job import LOSS_POINTS, TrainResult, batch_indices, git_describe, sequence_limit
+    from pipeline.training.job import (
+        LOSS_POINTS,
+        TrainResult,
+        batch_indices,
+        git_describe,
+        log_dropped,
+        sequence_limit,
+    )
     from pipeline.training.kernels import merged_lora
     from pipeline.training.likelihood import (
         encode_episode,
@@ -185,6 +193,7 @@ def train_grpo(
         reward_mean, started, step, tokens = float("nan"), time.perf_counter(), start, 0
         curve: list[tuple[int, float]] = []
         every = max(1, -(-total // LOSS_POINTS))
+        dropped: dict[str, int] = {}  # episodes left out of the updates, by reason (templating.RowSkipped)
         while step < total:
             batch = [
                 episodes.items[i]
@@ -213,8 +222,11 @@ def train_grpo(
                 try:
                     ids, labels = encode_episode(tokenizer, view, max_len, fmt=tool_call_format,
                                                  tools=tools or None, turns=written[i])  # fmt: skip
-                except ValueError as exc:  # a reply the template rewrites (e.g. its own </think>): sits out
+                except RowSkipped as exc:  # the template refuses it, it does not fit, it rewrites a reply
                     log.warning("an episode is left out of the update: %s", exc)
+                    dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                    if tracker:
+                        log_dropped(tracker, dropped, step=step)
                     continue
                 if any(label != -100 for label in labels):
                     examples.append((ids, labels))
@@ -268,7 +280,8 @@ def train_grpo(
             if interrupted:
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, reward_mean, tokens / seconds, start,
-                                   len(episodes.items), seconds, run_id, completed=False, loss_curve=tuple(curve))  # fmt: skip
+                                   len(episodes.items), seconds, run_id, completed=False, loss_curve=tuple(curve),
+                                   dropped=dropped)  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -295,7 +308,7 @@ def train_grpo(
     shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim, reference
     return TrainResult(adapter_dir, adapter_sha, total, reward_mean, tokens / max(seconds, 1e-9), start,
-                       len(episodes.items), seconds, run_id, loss_curve=tuple(curve))  # fmt: skip
+                       len(episodes.items), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip
 
 
 def paid_turns(
@@ -324,8 +337,10 @@ def roll_out(
 ) -> list[dict[str, Any]]:
     """``group_size`` episodes per item (in item order), each a finished trace: the item's messages, the
     policy's replies and, where the substrate executed calls, their results."""
+    from jinja2 import TemplateError
+
     from pipeline.decoding import SamplingConfig, generate
-    from pipeline.packing import render_prompt
+    from pipeline.templating import encode_prompt
     from pipeline.toolcalls import assistant_message, tool_names
 
     runs = []
@@ -338,15 +353,23 @@ def roll_out(
     for turn in range(settings.max_turns):
         if not active:
             break
-        prompts = [
-            render_prompt(
-                tokenizer,
-                episodes.view(runs[i]["messages"]),
-                fmt=fmt,
-                tools=runs[i]["metadata"].get("tools") or episodes.tools or None,
-            )
-            for i in active
-        ]
+        prompts, rendered = [], []
+        for i in active:  # token ids, content inert; a prompt the template refuses ends its episode there
+            try:
+                prompts.append(
+                    encode_prompt(
+                        tokenizer,
+                        episodes.view(runs[i]["messages"]),
+                        fmt=fmt,
+                        tools=runs[i]["metadata"].get("tools") or episodes.tools or None,
+                    )
+                )
+                rendered.append(i)
+            except TemplateError as exc:
+                log.warning("an episode ends: the chat template refuses its prompt: %s", exc)
+        active = rendered
+        if not active:
+            break
         config = SamplingConfig(
             temperature=settings.temperature,
             num_samples=1,

@@ -4,8 +4,8 @@ online on its task source's training prompts with the contract's scoring as the 
 A specialist with no dataset (sft, dpo) or no task source (grpo) keeps its parent's adapter.
 
 Each job is recorded as it finishes (registry adapter row with its method, MLflow run and registered model
-version), so a crashed step resumes with the specialists still to train, and an interrupted job resumes
-from its checkpoint. The registry row is written only after its MLflow run and model version exist: when
+version; the rows it left out, by reason, in the step's outcome), so a crashed step resumes with the
+specialists still to train, and an interrupted job resumes from its checkpoint. The registry row is written only after its MLflow run and model version exist: when
 MLflow is unreachable (``tracking.TrackingUnavailable``) the step stops with the candidate still in flight and
 nothing pointing at a run that is not there, and running it again continues. When the artifact store
 refuses the adapter (``artifacts.ArtifactStoreError``: full or not writable) the candidate is marked failed
@@ -229,6 +229,8 @@ def train_step(
                 "steps": result.steps,
                 "loss" if method != "grpo" else "reward": result.final_loss,
                 "resumed_from_step": result.resumed_from_step,
+                # rows (examples, pairs, episodes) left out, by reason: the template refused them, too long...
+                "dropped": dict(result.dropped),
             }
             state = dict(gen.state or {})
             state["trained"] = {**state.get("trained", {}), specialist: results[specialist]}
