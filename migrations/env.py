@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import Engine
 
 from pipeline.registry.db import make_engine
 from pipeline.registry.models import Base, JSONText, UTCDateTime
@@ -43,6 +44,10 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
+    if isinstance(connectable, Engine):  # pytest-alembic passes its engine
+        with connectable.connect() as connection:
+            _run(connection)
+        return
     if connectable is not None:
         _run(connectable)
         return
@@ -53,6 +58,15 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:
+    if connection.dialect.name == "sqlite":
+        _run_sqlite(connection)
+        return
+    _configure(connection)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _configure(connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -60,8 +74,35 @@ def _run(connection) -> None:
         compare_type=True,
         render_item=render_item,
     )
-    with context.begin_transaction():
-        context.run_migrations()
+
+
+def _run_sqlite(connection) -> None:
+    """SQLite rebuilds a table to alter it (batch mode: copy, DROP, rename). With foreign keys on, dropping a
+    table that others reference fails ("FOREIGN KEY constraint failed") or, worse, cascades and deletes the
+    referencing rows. So: foreign keys off around the migrations (the pragma is ignored inside a transaction,
+    so it is set before one begins), every step in one real transaction (pysqlite begins none for DDL: BEGIN
+    is sent here), and ``PRAGMA foreign_key_check`` before the commit: a migration that left a dangling
+    reference rolls back whole."""
+    if connection.in_transaction():
+        connection.commit()
+    connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    connection.commit()
+    try:
+        with connection.begin():
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            _configure(connection)
+            with context.begin_transaction():
+                context.run_migrations()
+            broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            if broken:
+                table, rowid, parent, _ = broken[0]
+                raise RuntimeError(
+                    f"migration left {len(broken)} row(s) referencing missing rows (first: {table} row {rowid} "
+                    f"-> {parent}); rolled back"
+                )
+    finally:
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+        connection.commit()
 
 
 if context.is_offline_mode():

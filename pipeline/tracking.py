@@ -229,6 +229,8 @@ class MLflowTracker:
                 self.client.log_artifact(self._run(), str(path), artifact_path=artifact_path)
 
     def register_adapter(self, name: str, run_id: str, path: str) -> str:
+        """The model version of ``run_id``'s adapter: the one registered already (a training step that failed
+        after registering it and runs again), else a new one."""
         from mlflow.exceptions import MlflowException
 
         with self._reaching(f"registering a version of model {name!r}"):
@@ -238,6 +240,9 @@ class MLflowTracker:
                 if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                     raise
             source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
+            for known in self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+                if known.source == source:
+                    return str(known.version)
             return str(self.client.create_model_version(name, source=source, run_id=run_id).version)
 
     def set_alias(self, name: str, alias: str, version: str) -> None:

@@ -33,8 +33,12 @@ def test_runs_params_metrics_artifacts_and_registry(tracker, tmp_path):
     assert run.info.artifact_uri.startswith((tmp_path / "art").resolve().as_uri())
 
     v1 = tracker.register_adapter("chat", run_id, "adapter")
-    v2 = tracker.register_adapter("chat", run_id, "adapter")
-    assert (v1, v2) == ("1", "2")
+    with tracker.start_run("gen-2", {"kind": "lora"}) as run_2:
+        tracker.log_artifact(adapter, artifact_path="adapter")
+    v2 = tracker.register_adapter("chat", run_2, "adapter")
+    # a training step that failed after registering and runs again gets the same version, not a second one
+    again = tracker.register_adapter("chat", run_id, "adapter")
+    assert (v1, v2, again) == ("1", "2", "1")
     tracker.set_alias("chat", "champion", v1)
     assert tracker.alias_version("chat", "champion") == "1"
     tracker.set_alias("chat", "champion", v2)

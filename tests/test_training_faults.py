@@ -3,6 +3,7 @@ artifact store that is full or read-only fails the candidate cleanly (real files
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -309,3 +310,61 @@ def test_a_full_artifact_store_fails_the_candidate_and_keeps_the_champion(lineag
     assert "No space left on device" in last
     assert not any(job_dir.iterdir())  # the tmpfs went with the child; nothing was written underneath
     _assert_failed_cleanly(gid, specialist, job_dir, "No space left on device")
+
+
+# ---- the registry refuses the adapter row once, after the job finished -----------------------------------------
+def test_a_training_step_that_failed_after_its_job_finished_reuses_the_job(lineage):
+    """The first adapter row the step writes fails (SQLite's "database is locked", raised at the registry's
+    INSERT by a hook on its engine) after that job finished and MLflow has its run and model version. Running
+    the step again reuses the job: no optimizer step, the same adapter (sha256), one MLflow run and one model
+    version per job. (The job's checkpoints were deleted before the registry commit: the rerun trained again
+    from step 0 into a second MLflow run.)"""
+    import sqlite3
+
+    from sqlalchemy import event
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from pipeline.registry import Adapter, get_engine, session_scope
+    from pipeline.tracking import MLflowTracker
+    from pipeline.training import train_step
+
+    gid, config = _curated_candidate()
+    specialist, job_dir = _first_job_dir(gid)
+    engine = get_engine()
+    refused = []
+
+    def refuse_once(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO ADAPTERS") and not refused:
+            refused.append(statement)
+            raise sqlite3.OperationalError("database is locked")
+
+    steps = []
+    count_steps = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    event.listen(engine, "before_cursor_execute", refuse_once)
+    try:
+        with pytest.raises(Exception, match="database is locked"):
+            train_step(generation_id=gid, config=config, tracker=MLflowTracker.from_settings())
+        first_steps = len(steps)
+        assert refused and first_steps > 0
+        weights = job_dir / "adapter" / "adapter_model.safetensors"
+        sha = hashlib.sha256(weights.read_bytes()).hexdigest()
+        results = train_step(generation_id=gid, config=config, tracker=MLflowTracker.from_settings())
+    finally:
+        event.remove(engine, "before_cursor_execute", refuse_once)
+        count_steps.remove()
+    with session_scope(engine) as s:
+        adapters = {a.specialist: a for a in s.scalars(select(Adapter))}
+    assert adapters[specialist].sha256 == sha == hashlib.sha256(weights.read_bytes()).hexdigest()
+    redone = len(steps) - first_steps  # the other specialists train now for the first time
+    others = sum(r["steps"] for sp, r in results.items() if sp != specialist)
+    assert redone == others, (redone, others)
+    client = MLflowTracker.from_settings().client
+    runs = client.search_runs([client.get_experiment_by_name("ratchet").experiment_id])
+    names = [r.info.run_name for r in runs]
+    assert names.count(job_dir.name) == 1 and len(names) == len(set(names)) == len(adapters), names
+    assert adapters[specialist].mlflow_run_id == next(
+        r.info.run_id for r in runs if r.info.run_name == job_dir.name
+    )
+    versions = client.search_model_versions(f"run_id = '{adapters[specialist].mlflow_run_id}'")
+    assert [str(v.version) for v in versions] == [adapters[specialist].mlflow_model_version]
+    assert not (job_dir / "checkpoint").exists()  # the registry has it: the checkpoints are gone

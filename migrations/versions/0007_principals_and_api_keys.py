@@ -73,12 +73,19 @@ def upgrade() -> None:
             meta = json.loads(row.metadata) if row.metadata else {}
             feedback = json.loads(row.feedback) if row.feedback else None
             meta = meta if isinstance(meta, dict) else {}
-            claimed = {k: v for k, v in meta.items() if k not in SERVER_FIELDS}
+            before = (meta, feedback)
+            # what is under `claimed` already (a registry downgraded past this revision and upgraded again)
+            # stays there once: upgrading twice must not nest it twice
+            earlier = meta.get("claimed") if isinstance(meta.get("claimed"), dict) else {}
+            claimed = {k: v for k, v in meta.items() if k not in SERVER_FIELDS and not (k == "claimed" and earlier)}
             if claimed:
-                meta = {**{k: v for k, v in meta.items() if k in SERVER_FIELDS}, "claimed": claimed}
+                meta = {
+                    **{k: v for k, v in meta.items() if k in SERVER_FIELDS},
+                    "claimed": {**earlier, **claimed},
+                }
             if isinstance(feedback, dict) and ("rating" in feedback or "correction" in feedback):
                 feedback = {"claimed": {k: feedback[k] for k in ("rating", "correction") if k in feedback}}
-            if claimed or feedback is not None:
+            if (meta, feedback) != before:
                 bind.execute(
                     sa.text("UPDATE experience SET metadata = :meta, feedback = :feedback WHERE id = :id"),
                     {

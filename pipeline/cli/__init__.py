@@ -61,5 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:  # SQLite's write lock held past the busy timeout: one line, not a traceback
+        from pipeline.lease import held_leases
+        from pipeline.registry.db import registry_busy
+
+        busy = registry_busy(exc, ours=frozenset(lease.owner for lease in held_leases()))
+        if busy is None:
+            raise
+        click.echo(f"error: {busy}", err=True)
+        sys.exit(busy.exit_code)
     if isinstance(rc, int) and rc:
         sys.exit(rc)

@@ -22,10 +22,14 @@ _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
 
+# How long a SQLite writer waits for another's write lock before "database is locked" (``registry_busy``).
+BUSY_TIMEOUT_S = 30.0
+
+
 def _sqlite_pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - exercised via every SQLite test
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
@@ -46,7 +50,7 @@ def make_engine(url: str) -> Engine:
     if parsed.drivername.startswith("sqlite"):
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(parsed, connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
         engine = create_engine(parsed, pool_pre_ping=True)
@@ -206,3 +210,70 @@ def session_scope(engine: Engine | None = None) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def registry_busy(exc: BaseException, *, ours: frozenset[str] = frozenset()) -> RatchetError | None:
+    """The one line for SQLite's "database is locked" anywhere in ``exc``'s chain: another writer held the
+    registry's write lock past the busy timeout. It names that writer's work where the registry knows it (a
+    generation's advance lease: lineage, number, step, owner; leases of owners in ``ours``, this process's
+    own, are not "another writer") and says to try again; None for any other error."""
+    from sqlalchemy.exc import OperationalError
+
+    seen, chain = exc, []
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    locked = next(
+        (
+            e
+            for e in chain
+            if (isinstance(e, OperationalError) and "database is locked" in str(e.orig))
+            or (type(e).__name__ == "OperationalError" and str(e) == "database is locked")  # sqlite3's own
+        ),
+        None,
+    )
+    if locked is None:
+        return None
+    with _lock:
+        files = sorted({str(e.url.database) for e in _engines.values() if e.dialect.name == "sqlite"})
+    where = f"the registry at {', '.join(files)}" if files else "the registry"
+    work = _leased_work(ours)
+    return RatchetError(
+        f"{where} stayed locked by another writer for more than {BUSY_TIMEOUT_S:g} s"
+        + (f" ({work})" if work else "")
+        + "; run the command again when it is done (SQLite lets one process write at a time)"
+    )
+
+
+def _leased_work(ours: frozenset[str]) -> str:
+    """What holds an advance lease now, in words ("" when nothing does or the registry cannot say)."""
+    from sqlalchemy import select
+
+    from pipeline.registry.models import Generation, utcnow
+
+    with _lock:
+        engines = [e for e in _engines.values() if e.dialect.name == "sqlite"]
+    parts = []
+    for engine in engines:
+        try:  # a read: WAL lets it through while the other writer holds the write lock
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    select(
+                        Generation.lineage,
+                        Generation.number,
+                        Generation.status,
+                        Generation.step,
+                        Generation.lease_owner,
+                    )
+                    .where(Generation.lease_owner.is_not(None), Generation.lease_expires_at > utcnow())
+                    .order_by(Generation.id)
+                ).all()
+        except Exception as exc:  # the message is about the lock; saying who holds it is a courtesy
+            log.debug("could not read the advance leases: %s", exc)
+            continue
+        for lineage, number, status, step, owner in (r for r in rows if r.lease_owner not in ours):
+            done = f"last step done: {step}" if step else "no step done yet"
+            parts.append(
+                f"`ratchet advance` run {owner} on generation {number} of lineage {lineage!r}: {status}, {done}"
+            )
+    return "; ".join(parts)

@@ -332,6 +332,9 @@ class Quarantine(Base):
     line_number: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(Text)
     raw: Mapped[str] = mapped_column(Text)
+    # sha256 of the whole line: a line is "already quarantined" by file, number and content (a rotated log
+    # reuses names and numbers); NULL for lines quarantined before 0009 whose kept text was not the whole line
+    line_sha256: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -180,3 +181,54 @@ def resume(root: Path, *, job_key: str, model: Any, optim: Any, sched: Any, tota
     if start:
         log.info("resuming %s from checkpoint step %d of %d", root.parent, start, total)
     return start
+
+
+FINISHED = "finished.json"
+
+
+def record_finished(root: Path, *, job_key: str, result: dict[str, Any]) -> None:
+    """Write ``root/finished.json``: what the finished job produced (its adapter and sha256, MLflow run,
+    figures), beside its checkpoints, which stay until the training step has the adapter in the registry
+    (``discard``). A step that failed after the job finished -- the registry write refused, the process
+    killed -- and runs again reuses it (``finished_result``) instead of training from step 0 into a second run."""
+    root.mkdir(parents=True, exist_ok=True)
+    body = {"format": FORMAT, "job_key": job_key, "result": result}
+    tmp = root / f".{FINISHED}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps({"sha256": content_hash(body), "body": body}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, root / FINISHED)
+
+
+def finished_result(root: Path, *, job_key: str) -> dict[str, Any] | None:
+    """What this job recorded when it finished (``record_finished``), when the record is intact, is this job's
+    (same config, data and parent) and its adapter is still the one it saved; else None (the job resumes from
+    its newest checkpoint as usual)."""
+    path = root / FINISHED
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        body = record["body"]
+        intact = record["sha256"] == content_hash(body) and body.get("format") == FORMAT
+        result = body["result"]
+        weights = Path(result["adapter_dir"]) / "adapter_model.safetensors"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        log.warning("%s is unreadable (%s): resuming from the checkpoints", path, type(exc).__name__)
+        return None
+    if not intact or body.get("job_key") != job_key:
+        log.warning("%s is damaged or belongs to another job: resuming from the checkpoints", path)
+        return None
+    if not weights.is_file() or file_sha256(weights) != result.get("adapter_sha256"):
+        log.warning("%s: the adapter it names changed or is gone: resuming from the checkpoints", path)
+        return None
+    log.info(
+        "%s finished before (MLflow run %s): its adapter is used as it is", root.parent, result.get("run_id")
+    )
+    return result
+
+
+def discard(root: Path) -> None:
+    """Delete a job's checkpoints (and its finished record): the registry has its adapter now."""
+    shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,10 @@ A specialist with no dataset (sft, dpo) or no task source (grpo) keeps its paren
 
 Each job is recorded as it finishes (registry adapter row with its method, MLflow run and registered model
 version; the rows it left out, by reason, in the step's outcome), so a crashed step resumes with the
-specialists still to train, and an interrupted job resumes from its checkpoint. The registry row is written only after its MLflow run and model version exist: when
+specialists still to train, and an interrupted job resumes from its checkpoint. A job's checkpoints stay, with
+its finished result, until its registry row is committed: a step that failed after a job finished (the
+registry write refused, the process killed) reuses that job's adapter and MLflow run when it runs again,
+training nothing twice and opening no second run (``job.finished_before``). The registry row is written only after its MLflow run and model version exist: when
 MLflow is unreachable (``tracking.TrackingUnavailable``) the step stops with the candidate still in flight and
 nothing pointing at a run that is not there, and running it again continues. When the artifact store
 refuses the adapter (``artifacts.ArtifactStoreError``: full or not writable) the candidate is marked failed
@@ -105,6 +108,7 @@ def train_step(
     )
     from pipeline.tracking import registered_model_name
     from pipeline.training.artifacts import ArtifactStoreError
+    from pipeline.training.checkpoint import discard
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -138,8 +142,10 @@ def train_step(
     where, tokenizer = spec_placement(spec.dtype), tokenizer_dir(spec.tokenizer, base_dir)
     results: dict[str, Any] = {}
     for specialist in specialists:
+        job_dir = out_dir / f"{config.lineage}-gen{number}-{specialist}"
         if specialist in trained:  # done before a crash: keep it
             results[specialist] = trained[specialist]
+            discard(job_dir / "checkpoint")  # (a crash right after its commit left them)
             continue
         settings = spec.specialists[specialist]
         method = settings.method
@@ -149,7 +155,10 @@ def train_step(
         seed = step_seed(config, number, specialist)
         common: dict[str, Any] = {
             "base_model_dir": base_dir,
-            "output_dir": out_dir / f"{config.lineage}-gen{number}-{specialist}",
+            "output_dir": job_dir,
+            # kept, with the finished job's result, until the registry has its adapter (below): a step that
+            # fails in between and runs again reuses the adapter and its MLflow run instead of training again
+            "keep_checkpoints": True,
             "parent_adapter_dir": Path(parent_adapter.artifact_uri) if parent_adapter else None,
             "tracker": tracker,
             "progress": (lambda s, t, _v, sp=specialist: progress(f"train {sp}", s, t)) if progress else None,
@@ -235,6 +244,7 @@ def train_step(
             state = dict(gen.state or {})
             state["trained"] = {**state.get("trained", {}), specialist: results[specialist]}
             gen.state = _json.loads(_json.dumps(state))
+        discard(job_dir / "checkpoint")
     with session_scope(engine) as session:
         mark_step(session, load_generation(session, generation_id), "train", {"adapters": results})
     return results
