@@ -19,6 +19,7 @@ artifacts: the held-out comparison as a table and the decision with its gates as
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,8 @@ from prefect import flow, task  # noqa: E402
 
 from pipeline.candidate import AdvanceConfig  # noqa: E402
 from pipeline.experience import IngestResult  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 TRANSIENT_RETRIES = 3
 RETRY_DELAY_S = 2
@@ -160,6 +163,32 @@ def gpu_slot(limit: str | None) -> Iterator[None]:
         yield
 
 
+def server_gpu_limit(name: str = GPU_LIMIT) -> str | None:
+    """``name`` when a Prefect API server is configured (``PREFECT_API_URL``: the server deployments run on,
+    ``ratchet up``'s) and holds that global concurrency limit: ``ratchet advance`` then takes a slot of it for
+    its GPU steps, as deployments do, so it never trains beside them past the limit. None without a server
+    (the ephemeral one is this process's own: nothing to share) or, with a warning, without the limit."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return None
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            log.warning(
+                "the Prefect server at %s has no global concurrency limit %r: GPU steps run without a slot "
+                "(create it with `prefect gcl create %s --limit 1`)",
+                PREFECT_API_URL.value(),
+                name,
+                name,
+            )
+            return None
+    return name
+
+
 def ensure_gpu_limit(*, api_url: str, name: str = GPU_LIMIT, slots: int) -> None:
     """Create the global concurrency limit ``name`` with ``slots`` slots, or set its slots (``ratchet up``)."""
     from prefect.client.orchestration import SyncPrefectClient
@@ -204,16 +233,18 @@ def _job_runner():
 def advance_generation(generations: int = 1, config=None, tracker=None, progress=None) -> list[dict]:
     """Advance the lineage by ``generations`` cycles: collect, score, curate, train, co-design, evaluate, decide.
 
-    Each step runs as a Prefect task in this process; a crashed run continues the same candidate when
-    started again.
+    Each step runs as a Prefect task in this process (the GPU steps under a slot of the global concurrency
+    limit ``ratchet-gpu`` where a Prefect server has it: ``server_gpu_limit``); a crashed run continues the
+    same candidate when started again.
     """
     from pipeline.advance import advance_once
 
     config = config or AdvanceConfig()
     step = _step_task()
+    gpu_limit = server_gpu_limit()  # the slot deployments' GPU steps take, where there is a server
 
     def run_step(name, fn, **kwargs):
-        return step.with_options(name=name)(fn, kwargs)
+        return step.with_options(name=name)(fn, kwargs, gpu_limit if name in GPU_STEPS else None)
 
     outcomes = []
     for _ in range(generations):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import random
 import socket
 import statistics
@@ -37,7 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 import uvicorn  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 from sqlalchemy import bindparam, create_engine, insert, text  # noqa: E402
 
 from pipeline import registry as reg  # noqa: E402
@@ -49,8 +52,10 @@ from pipeline.modelspec import load_model_spec  # noqa: E402
 from pipeline.registry import ScoreRow, TraceRow, make_engine, session_scope  # noqa: E402
 from pipeline.registry.models import dump_json  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
+from pipeline.spec import file_sha256  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+ADAPTERS = Path(tempfile.gettempdir()) / "ratchet-bench-adapters"  # real files the seeded rows name
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/ratchet_bench"
 SPECIALISTS = ("agent", "chat", "coding", "genui")
@@ -169,6 +174,20 @@ def evaluation(rng: random.Random, level: float, gain: float, attempt: int, prom
     }
 
 
+def stored_adapter(path: Path) -> tuple[str, str]:
+    """A real (zero) rank-8 LoRA adapter directory at ``path``: the registry accepts only stored adapters."""
+    path.mkdir(parents=True, exist_ok=True)
+    key = "base_model.model.model.layers.0.self_attn.{}.lora_{}.weight"
+    save_file(
+        {key.format(m, ab): np.zeros((8, 64) if ab == "A" else (64, 8), np.float32)
+         for m in ("q_proj", "v_proj") for ab in "AB"},
+        str(path / "adapter_model.safetensors"),
+    )  # fmt: skip
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path), file_sha256(path / "adapter_model.safetensors")
+
+
 def seed_lineage(session, n_gens: int, rng: random.Random) -> tuple[list[int], int, int]:
     """The specs and a lineage of ``n_gens`` generations; returns (generation ids, contract id, harness id)."""
     contract, harness = (
@@ -195,10 +214,10 @@ def seed_lineage(session, n_gens: int, rng: random.Random) -> tuple[list[int], i
         for s in SPECIALISTS:
             digests[s] = hashlib.sha256(f"ds-{number}-{s}".encode()).hexdigest()
             curve = [[k * 10, round(2.5 * 0.97**k + rng.random() * 0.05, 4)] for k in range(30)]
+            uri, sha = stored_adapter(ADAPTERS / str(number) / s)
             adapters[s] = reg.create_adapter(
                 session=session, specialist=s, base_model_id=base.id, rank=8, alpha=16.0,
-                target_modules=["q_proj", "v_proj"], artifact_uri=f"/bench/artifacts/adapters/{number}/{s}",
-                sha256=hashlib.sha256(f"ad-{number}-{s}".encode()).hexdigest(),
+                target_modules=["q_proj", "v_proj"], artifact_uri=uri, sha256=sha, artifact_root=ADAPTERS,
                 parent_adapter_id=champion_adapters[s], mlflow_run_id=f"run{number:04d}{s}",
                 dataset_sha256=digests[s],
                 metrics={"method": "sft", "final_loss": curve[-1][1], "steps": 300, "loss_curve": curve},
@@ -307,8 +326,10 @@ def seed(url: str, n_rows: int, n_gens: int) -> None:
         bulk(session, "dataset_examples", ("dataset_id", "experience_id"), pairs)
         for f in range(10):
             raw = '{"messages": [{"role": "user", "content": "' + "y" * rng.randint(0, 300)
+            digest = hashlib.sha256(raw.encode()).hexdigest()
             entries = [
-                (n, "invalid JSON: Expecting ',' delimiter", raw) for n in range(1, QUARANTINED // 10 + 1)
+                (n, "invalid JSON: Expecting ',' delimiter", raw, digest)
+                for n in range(1, QUARANTINED // 10 + 1)
             ]
             reg.quarantine_lines(session=session, source_file=f"/data/import/{f:02d}.jsonl", entries=entries)
         for k in range(AUDITED):

@@ -230,6 +230,16 @@ def advance_once(
             run_job=run_job,
             freeze=manage_gc,
         )
+    except Exception as exc:
+        if not isinstance(exc, ConflictError):  # (another run has it: nothing for the operator to do)
+            log.warning(
+                "the candidate of lineage %r stopped: the next `ratchet advance` continues it from the step "
+                "that failed; if that step cannot succeed, `ratchet abandon --lineage %s --reason TEXT` gives "
+                "it up and the next advance starts a new candidate",
+                config.lineage,
+                config.lineage,
+            )
+        raise
     finally:
         lease.stop()
         if manage_gc:  # back to normal collection once the generation is over

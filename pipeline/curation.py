@@ -10,7 +10,9 @@ Reasons a turn is dropped, in the order they are decided: ``specialist not train
 selected``, ``unverified`` (no verifying scorer checked the final turn, no accepted correction), ``failed
 check`` (a verifying check on the final turn failed, whatever the total), ``below threshold``, ``correction
 failed the contract``, ``reply stopped before its end``, ``held-out``, ``no assistant turn``, ``validation
-slice``, ``duplicate``, ``over principal share`` (``selection.max_share_per_principal``), ``over cap``.
+slice``, ``duplicate``, ``over principal share`` (``selection.max_share_per_principal``), ``over cap``;
+then, as the rows are built (``training_rows``), ``malformed metadata.tools``, ``cannot be rendered`` and
+``cannot be stored`` (Arrow cannot hold the row beside the others): one row never stops a generation.
 Every drop is also counted by the principal whose row it was (``Drops.principals``).
 
 The validation slice of a specialist without a task source (``eligibility.in_validation_slice``) is never
@@ -37,9 +39,11 @@ from pipeline.eligibility import (
     lineage_candidates,
     prompt_key,
 )
+from pipeline.toolcalls import normalize_tool_calls, tools_problem
 
 if TYPE_CHECKING:
     from pipeline.candidate import AdvanceConfig, Progress
+    from pipeline.harness import HarnessSpec
     from pipeline.heldout import HeldoutIndex
 
 log = logging.getLogger(__name__)
@@ -163,6 +167,101 @@ def select_examples(
     return result
 
 
+def dataset_row(example: dict[str, Any]) -> dict[str, Any]:
+    """The dataset row of an example. Tools: the schemas the chat template was given (JSON text: one column
+    type for every row)."""
+    e = example
+    row = {
+        "messages": e["messages"],
+        "score": e["score"],
+        "experience_id": e["experience_id"],
+        "tools": json.dumps(e.get("tools") or [], separators=(",", ":")),
+    }
+    if "rejected" in e:
+        row |= {
+            "rejected": e["rejected"],
+            "rejected_score": e["rejected_score"],
+            "rejected_experience_id": e["rejected_experience_id"],
+        }
+    return row
+
+
+UNRENDERABLE = "cannot be rendered"
+BAD_TOOLS = "malformed metadata.tools"
+UNSTORABLE = "cannot be stored"
+
+
+def training_rows(
+    examples: list[dict[str, Any]],
+    *,
+    harness: HarnessSpec,
+    specialist: str,
+    sources: dict[int, Candidate],
+    dropped: Drops,
+) -> list[dict[str, Any]]:
+    """``examples`` as the model sees them under the harness, as the server shows them (the context rendered,
+    nothing after the reply, tool-call arguments as JSON text, the harness's tools where the trace names
+    none). A row that cannot be rendered (``UNRENDERABLE``), names malformed tools (``BAD_TOOLS``) or cannot
+    be stored in one dataset beside the rows before it (``UNSTORABLE``, ``unstorable``) is left out and
+    counted in ``dropped``: one row never stops a generation."""
+    from pipeline.pair import offered_tools
+    from pipeline.prompting import render_messages
+    from pipeline.serving.views import recorded_writer
+
+    offered = offered_tools(harness, specialist)
+    kept: list[dict[str, Any]] = []
+    for ex in examples:
+        source = sources.get(ex["experience_id"])
+        principal = source.principal if source is not None else None
+        if tools_problem(ex.get("tools")):
+            dropped.add(specialist, BAD_TOOLS, principal=principal)
+            continue
+        messages = normalize_tool_calls(ex["messages"])
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        context, answer = messages[:last], messages[last]  # nothing after the reply
+        try:
+            writer = recorded_writer(source.routes, source.metadata) if source is not None else None
+            context = render_messages(harness, specialist, context, writer=writer)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # stored data a view cannot read
+            log.warning("%s: trace %s cannot be rendered, left out: %s", specialist, ex["experience_id"], exc)
+            dropped.add(specialist, UNRENDERABLE, principal=principal)
+            continue
+        ex["messages"] = [*context, answer]
+        if "rejected" in ex:  # the same rendered context for the other reply
+            ex["rejected"] = [*context, *normalize_tool_calls(ex["rejected"][-1:])]
+        ex["tools"] = ex.get("tools") or offered
+        kept.append(ex)
+    refused = set(unstorable([dataset_row(ex) for ex in kept]))
+    for i in sorted(refused):
+        source = sources.get(kept[i]["experience_id"])
+        log.warning(
+            "%s: trace %s cannot be stored in a dataset, left out", specialist, kept[i]["experience_id"]
+        )
+        dropped.add(specialist, UNSTORABLE, principal=source.principal if source is not None else None)
+    return [ex for i, ex in enumerate(kept) if i not in refused]
+
+
+def unstorable(rows: list[dict[str, Any]]) -> list[int]:
+    """Indices of the ``rows`` a ``datasets.Dataset`` cannot hold beside the rows before them (Arrow infers
+    one type per column: a field that is text in one row and an object in another refuses the whole
+    dataset), or at all (an integer beyond 64 bits). Rows of one inferred schema are interchangeable for
+    that, so only a row of a schema not seen yet is tried, with one row of each schema kept so far."""
+    import datasets
+    import pyarrow as pa
+
+    kinds: dict[str, dict[str, Any]] = {}  # each inferred schema kept so far -> one row of it
+    refused = []
+    for i, row in enumerate(rows):
+        try:
+            kind = pa.Table.from_pylist([row]).schema.to_string()
+            if kind not in kinds:
+                datasets.Dataset.from_list([*kinds.values(), row])
+                kinds[kind] = row
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            refused.append(i)
+    return refused
+
+
 def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     """Save with ``datasets.Dataset.save_to_disk``; return (sha256 of the conversations, rows). Preference
     rows (a ``rejected`` conversation beside ``messages``) keep it, and its score and trace, and are hashed
@@ -173,24 +272,7 @@ def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
     from pipeline.training.preference import pairs_sha256
 
     datasets.disable_progress_bars()
-    rows = [  # tools: the schemas the chat template was given (JSON text: one column type for every row)
-        {
-            "messages": e["messages"],
-            "score": e["score"],
-            "experience_id": e["experience_id"],
-            "tools": json.dumps(e.get("tools") or [], separators=(",", ":")),
-            **(
-                {
-                    "rejected": e["rejected"],
-                    "rejected_score": e["rejected_score"],
-                    "rejected_experience_id": e["rejected_experience_id"],
-                }
-                if "rejected" in e
-                else {}
-            ),
-        }
-        for e in examples
-    ]
+    rows = [dataset_row(e) for e in examples]
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
     preference = bool(rows) and "rejected" in rows[0]
     return (pairs_sha256(rows) if preference else dataset_sha256(rows)), len(rows)
@@ -208,11 +290,8 @@ def curate_step(
     from pipeline.harness import HarnessSpec
     from pipeline.heldout import heldout_index
     from pipeline.modelspec import ModelSpec
-    from pipeline.pair import offered_tools
     from pipeline.preferences import preference_pairs
-    from pipeline.prompting import render_messages
     from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
-    from pipeline.serving.views import recorded_writer
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -248,61 +327,62 @@ def curate_step(
     by_id = {c.experience_id: c for c in [*candidates, *pair_candidates]}
     out_dir = artifacts_for(config.lineage, number) / "datasets"
     datasets: dict[str, Any] = {}
+    # The dataset files are written outside any transaction and their rows committed in one short one after:
+    # SQLite has one writer at a time, and holding its lock across every save_to_disk stalled ingest, serving
+    # and every other writer for as long as the files took (past the 30 s busy timeout: "database is locked").
+    written: list[tuple[TrainingDataset, list[int]]] = []
+    for specialist in specialists:
+        method = methods[specialist]
+        if method == "grpo":
+            datasets[specialist] = {"method": "grpo", "rows": 0, "skipped": "practises online (grpo)"}
+            continue
+        examples = training_rows(
+            rows_of.get(specialist, []),
+            harness=harness,
+            specialist=specialist,
+            sources=by_id,
+            dropped=dropped,
+        )
+        if len(examples) < config.min_examples:
+            datasets[specialist] = {
+                "method": method,
+                "rows": len(examples),
+                "skipped": f"fewer than {config.min_examples}",
+            }
+            continue
+        digest, rows = save_dataset(examples, out_dir / specialist)
+        traces = sorted(
+            {
+                int(ex[key])
+                for ex in examples
+                for key in ("experience_id", "rejected_experience_id")
+                if ex.get(key) is not None
+            }
+        )
+        row = TrainingDataset(
+            generation_id=generation_id,
+            specialist=specialist,
+            path=str(out_dir / specialist),
+            sha256=digest,
+            num_rows=rows,
+        )
+        written.append((row, traces))
+        datasets[specialist] = {
+            "method": method,
+            "rows": rows,
+            "sha256": digest,
+            "path": str(out_dir / specialist),
+        }
     with session_scope(engine) as session:
         session.execute(delete(TrainingDataset).where(TrainingDataset.generation_id == generation_id))
-        for specialist in specialists:
-            method = methods[specialist]
-            if method == "grpo":
-                datasets[specialist] = {"method": "grpo", "rows": 0, "skipped": "practises online (grpo)"}
-                continue
-            examples = rows_of.get(specialist, [])
-            if len(examples) < config.min_examples:
-                datasets[specialist] = {
-                    "method": method,
-                    "rows": len(examples),
-                    "skipped": f"fewer than {config.min_examples}",
-                }
-                continue
-            offered = offered_tools(harness, specialist)
-            for ex in examples:  # train on what the model sees under the harness, as the server shows it
-                last = max(i for i, m in enumerate(ex["messages"]) if m.get("role") == "assistant")
-                context, answer = ex["messages"][:last], ex["messages"][last]  # nothing after the reply
-                source = by_id.get(ex["experience_id"])
-                writer = recorded_writer(source.routes, source.metadata) if source is not None else None
-                context = render_messages(harness, specialist, context, writer=writer)
-                ex["messages"] = [*context, answer]
-                if "rejected" in ex:  # the same rendered context for the other reply
-                    ex["rejected"] = [*context, ex["rejected"][-1]]
-                ex["tools"] = ex.get("tools") or offered
-            digest, rows = save_dataset(examples, out_dir / specialist)
-            dataset = TrainingDataset(
-                generation_id=generation_id,
-                specialist=specialist,
-                path=str(out_dir / specialist),
-                sha256=digest,
-                num_rows=rows,
-            )
+        for dataset, traces in written:
             session.add(dataset)
             session.flush()
-            traces = sorted(
-                {
-                    int(ex[key])
-                    for ex in examples
-                    for key in ("experience_id", "rejected_experience_id")
-                    if ex.get(key) is not None
-                }
-            )
             if traces:  # provenance: which traces this dataset (and so its adapter) learned from
                 session.execute(
                     insert(DatasetExample),
                     [{"dataset_id": dataset.id, "experience_id": e} for e in traces],
                 )
-            datasets[specialist] = {
-                "method": method,
-                "rows": rows,
-                "sha256": digest,
-                "path": str(out_dir / specialist),
-            }
         outcome = {
             "datasets": datasets,
             "dropped": dropped.counts,

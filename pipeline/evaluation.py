@@ -233,17 +233,18 @@ def check_unscored(
 
 def attempt_number(session: Session, gen: Generation) -> int:
     """Which attempt against its parent (the champion it was built from) this candidate is: 1 + the
-    siblings decided before it (rejected, or promoted and since retired)."""
+    siblings decided before it (rejected, or promoted and since retired) and those failed after their
+    evaluation (abandoned by an operator: their comparison was made all the same)."""
     from sqlalchemy import func, select
 
     from pipeline.registry import Generation as G
 
+    siblings = (G.parent_id == gen.parent_id, G.number < gen.number)
     earlier = session.scalar(
-        select(func.count())
-        .select_from(G)
-        .where(G.parent_id == gen.parent_id, G.number < gen.number, G.status.in_(("rejected", "retired")))
+        select(func.count()).select_from(G).where(*siblings, G.status.in_(("rejected", "retired")))
     )
-    return 1 + int(earlier or 0)
+    failed = session.scalars(select(G.evaluation).where(*siblings, G.status == "failed")).all()
+    return 1 + int(earlier or 0) + sum(1 for e in failed if "comparison" in (e or {}))
 
 
 def evaluate_step(

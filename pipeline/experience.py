@@ -24,7 +24,8 @@ import orjson
 from pipeline.errors import NotFoundError, RatchetError
 from pipeline.principals import LOOP, OPERATOR
 from pipeline.principals import NAME as PRINCIPAL_NAME
-from pipeline.registry.experience import SOURCES, TraceRow
+from pipeline.registry.experience import ANY_CONTENT, SOURCES, TraceRow, line_key
+from pipeline.toolcalls import normalize_tool_calls, tools_problem
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ def _check_metadata(metadata: dict[str, Any]) -> None:
     ):
         raise TraceError(f"metadata.summaries: expected {{turn: text}}, got {_show(summaries)}")
     _check_scores(metadata.get("route_scores"), "metadata.route_scores")
+    if problem := tools_problem(metadata.get("tools")):  # what a chat template is given in training
+        raise TraceError(f"metadata.tools{'' if problem.startswith('[') else ': '}{problem}")
 
 
 def _check_content(content: Any, where: str) -> None:
@@ -125,8 +128,8 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             raise TraceError(
                 f"{where}.tool_calls[{j}]: expected {{'function': {{'name': str, 'arguments': str}}}}"
             )
-        if not isinstance(fn.get("arguments", ""), str):
-            raise TraceError(f"{where}.tool_calls[{j}].function.arguments: expected a JSON string")
+        # arguments that are not JSON text (an object, as some clients write them) are stored as JSON text
+        # (``validate_trace``: ``toolcalls.normalize_tool_calls``)
 
 
 def validate_trace(obj: Any) -> dict[str, Any]:
@@ -173,6 +176,7 @@ def validate_trace(obj: Any) -> dict[str, Any]:
     routes = obj.get("routes")
     routes = [] if routes is None else routes
     _check_routes(routes, len(messages))
+    messages = normalize_tool_calls(messages)  # tool-call arguments stored as JSON text, whoever wrote them
     return {"messages": messages, "metadata": metadata, "feedback": feedback, "routes": routes}
 
 
@@ -286,10 +290,14 @@ class IngestResult:
     reasons: dict[str, int] = field(default_factory=dict)
 
 
-def iter_lines(path: Path, *, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, str | None]]:
-    """Yield (line number, raw bytes, None) or (line number, None, reason) for oversized lines.
+def iter_lines(
+    path: Path, *, max_line_bytes: int
+) -> Iterator[tuple[int, bytes | None, str | None, str | None]]:
+    """Yield (line number, raw bytes, None, None), or (line number, None, reason, sha256 of the line) for
+    oversized lines.
 
-    Lines longer than ``max_line_bytes`` are never held in memory whole: the rest is skipped in chunks.
+    Lines longer than ``max_line_bytes`` are never held in memory whole: the rest is skipped in chunks (and
+    hashed on the way, so that quarantine knows the line by its content too).
     """
     with open(path, "rb") as fh:
         number = 0
@@ -299,13 +307,19 @@ def iter_lines(path: Path, *, max_line_bytes: int) -> Iterator[tuple[int, bytes 
                 return
             number += 1
             if len(line) > max_line_bytes and not line.endswith(b"\n"):
-                size = len(line)
+                size, digest = len(line), hashlib.sha256(line)
                 while line and not line.endswith(b"\n"):
                     line = fh.readline(1 << 20)
                     size += len(line)
-                yield number, None, f"oversized line ({size} bytes > limit {max_line_bytes})"
+                    digest.update(line)
+                yield (
+                    number,
+                    None,
+                    f"oversized line ({size} bytes > limit {max_line_bytes})",
+                    digest.hexdigest(),
+                )
                 continue
-            yield number, line, None
+            yield number, line, None, None
 
 
 def _reason_kind(reason: str) -> str:
@@ -319,9 +333,17 @@ def quarantine_text(raw: bytes | None) -> str:
     return (raw or b"")[:RAW_KEEP].decode("utf-8", errors="replace").replace("\x00", "\\u0000")
 
 
-def _already_quarantined(numbers: Any, number: int) -> bool:
+def _already_quarantined(earlier: tuple[Any, Any], number: int, digest: str) -> bool:
+    """Whether this file's line ``number`` with this content is in quarantine already (a line quarantined
+    before its hash was kept matches any content at its number, as before)."""
+    numbers, keys = earlier
+    key = line_key(digest)
     i = bisect_left(numbers, number)
-    return i < len(numbers) and numbers[i] == number
+    while i < len(numbers) and numbers[i] == number:
+        if keys[i] in (key, ANY_CONTENT):
+            return True
+        i += 1
+    return False
 
 
 def ingest_file(
@@ -339,8 +361,8 @@ def ingest_file(
     """Stream ``path`` into the registry; each batch is committed on its own (a crash loses nothing stored).
 
     Rerunnable: a trace already stored counts as a duplicate, and a line of this file already quarantined
-    (same file name and line number, e.g. by a run that was killed) counts as quarantined without a second
-    quarantine row. ``session_factory`` returns a context manager yielding a Session (e.g.
+    (same file name, line number and content, e.g. by a run that was killed) counts as quarantined without a
+    second quarantine row; a different bad line at the same number (a rotated log) gets its own row. ``session_factory`` returns a context manager yielding a Session (e.g.
     ``session_scope``). ``progress(bytes_done, bytes_total)`` is called after every batch.
 
     Ingest is the operator's own trusted path: the traces' metadata and feedback count as given (a key's
@@ -348,7 +370,7 @@ def ingest_file(
     ``operator`` (the default: the operator's own) or the outside party they came from (``--principal``),
     whose share of a specialist's dataset the contract caps (``selection.max_share_per_principal``).
     """
-    from pipeline.registry.experience import insert_traces, quarantine_lines, quarantined_line_numbers
+    from pipeline.registry.experience import insert_traces, quarantine_lines, quarantined_lines
 
     path = Path(path)
     if not path.is_file():
@@ -366,9 +388,9 @@ def ingest_file(
     total = os.path.getsize(path)
     result = IngestResult(file=str(path))
     with session_factory() as session:
-        earlier = quarantined_line_numbers(session=session, source_file=source_file)
+        earlier = quarantined_lines(session=session, source_file=source_file)
     rows: list[TraceRow] = []
-    bad: list[tuple[int, str, str]] = []
+    bad: list[tuple[int, str, str, str]] = []
     seen: set[str] = set()
     done = 0
 
@@ -384,7 +406,7 @@ def ingest_file(
         if progress:
             progress(done, total)
 
-    for number, raw, problem in iter_lines(path, max_line_bytes=max_line_bytes):
+    for number, raw, problem, digest in iter_lines(path, max_line_bytes=max_line_bytes):
         result.lines += 1
         done += len(raw) if raw is not None else 0
         if raw is not None and not raw.strip():
@@ -411,9 +433,10 @@ def ingest_file(
             result.quarantined += 1
             kind = _reason_kind(problem)
             result.reasons[kind] = result.reasons.get(kind, 0) + 1
-            if not _already_quarantined(earlier, number):
+            digest = digest or hashlib.sha256(raw or b"").hexdigest()
+            if not _already_quarantined(earlier, number, digest):
                 reason = problem if len(problem) <= REASON_KEEP else problem[: REASON_KEEP - 3] + "..."
-                bad.append((number, reason, quarantine_text(raw)))
+                bad.append((number, reason, quarantine_text(raw), digest))
         if len(rows) >= batch_size or len(bad) >= batch_size:
             flush()
             seen.clear()

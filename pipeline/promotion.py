@@ -140,13 +140,36 @@ def decide_step(
     """Apply the gates' verdict: promote or reject in the registry; then MLflow's champion aliases follow."""
     from pipeline.candidate import contract_of
     from pipeline.evaluation import Comparison
-    from pipeline.registry import get_engine, promote_generation, session_scope, set_generation_status
+    from pipeline.registry import (
+        Generation,
+        get_champion,
+        get_engine,
+        promote_generation,
+        session_scope,
+        set_generation_status,
+    )
+    from pipeline.registry.db import hold_lock
 
     with session_scope(get_engine()) as session:
         gen = load_generation(session, generation_id)
+        # Champion moves of the lineage wait until this decision commits (a rollback cannot slip in between
+        # the check below and the promotion), and the champion is read after taking the lock.
+        hold_lock(session=session, key=f"lineage:{gen.lineage}")
         evaluation = gen.evaluation or {}
         contract = contract_of(gen)
-        if "comparison" in evaluation:
+        champion = get_champion(session=session, lineage=gen.lineage)
+        if champion is None or champion.id != gen.parent_id:
+            # An operator moved the champion (a rollback, a manual promotion) while this candidate was being
+            # built: it was compared with its parent only, never with the champion it would replace.
+            parent = session.get(Generation, gen.parent_id) if gen.parent_id is not None else None
+            now = f"generation {champion.number}" if champion else "none"
+            promote = False
+            decision = (
+                f"reject: its parent is no longer the champion (built from generation "
+                f"{parent.number if parent else '-'}; the champion is now {now}): it was never compared "
+                "with the champion it would replace"
+            )
+        elif "comparison" in evaluation:
             verdict = judge(
                 Comparison.from_dict(evaluation["comparison"]),
                 contract.promotion,

@@ -292,3 +292,59 @@ def from_openai(tool_calls: Sequence[dict[str, Any]]) -> list[Call]:
 def compact_from_openai(tool_calls: Sequence[dict[str, Any]]) -> str:
     """The compact text of an assistant message's OpenAI ``tool_calls`` (one call per line)."""
     return _render_compact(from_openai(tool_calls))
+
+
+# ------------------------------------------------------------------------------------ stored shapes
+def arguments_text(arguments: Any) -> str:
+    """A tool call's ``arguments`` as OpenAI sends them, JSON text: text stays as it is (whatever it holds);
+    anything else a client sent (an object, a number) becomes its compact JSON."""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps({} if arguments is None else arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def normalize_tool_calls(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every assistant tool call's ``function.arguments`` as JSON text (``arguments_text``),
+    the shape a trace is stored in: one type per field, so every stored conversation fits one dataset column
+    (an object beside the server's strings made Arrow refuse the whole dataset). Other messages are as
+    given; the input is not changed."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list) and any(_needs_text(c) for c in calls):
+            m = {**m, "tool_calls": [_call_as_text(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _needs_text(call: Any) -> bool:
+    fn = call.get("function") if isinstance(call, dict) else None
+    return isinstance(fn, dict) and "arguments" in fn and not isinstance(fn["arguments"], str)
+
+
+def _call_as_text(call: Any) -> Any:
+    if not _needs_text(call):
+        return call
+    fn = call["function"]
+    return {**call, "function": {**fn, "arguments": arguments_text(fn["arguments"])}}
+
+
+def tools_problem(tools: Any) -> str | None:
+    """Why ``tools`` (a trace's ``metadata.tools``: the schemas a chat template is given, and the calls a
+    parser accepts) is not a list of OpenAI function tools -- ``{"type": "function", "function": {"name":
+    text, "parameters": {...}}}`` -- or None when it is (None and an empty list are: no tools)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        return f"expected a list of tools, got {type(tools).__name__}"
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            return f"[{i}]: expected {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"[{i}].function.name: expected a non-empty string"
+        if not isinstance(fn.get("description", ""), str):
+            return f"[{i}].function.description: expected a string"
+        if not isinstance(fn.get("parameters", {}), dict):
+            return f"[{i}].function.parameters: expected a JSON schema object"
+    return None

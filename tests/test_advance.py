@@ -143,6 +143,7 @@ def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
     from pipeline.evaluation import evaluate_step
     from pipeline.promotion import decide_step
     from pipeline.registry import create_adapter, set_generation_adapter
+    from pipeline.settings import get_settings
     from pipeline.spec import file_sha256
 
     advance_once(config=FAST)  # generation 1, with trained adapters to wreck
@@ -152,8 +153,9 @@ def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
     with session_scope(get_engine()) as s:
         gen = load_generation(s, gen_id)
         for specialist, adapter in source.items():
-            bad_dir = tmp_path / f"wrecked-{specialist}"
-            bad_dir.mkdir()
+            # adapters are registered from the artifact store only
+            bad_dir = get_settings().artifacts_dir / f"wrecked-{specialist}"
+            bad_dir.mkdir(parents=True)
             weights = load_file(str(Path(adapter.artifact_uri) / "adapter_model.safetensors"))
             torch.manual_seed(0)
             save_file(

@@ -109,6 +109,31 @@ def test_every_malformed_line_is_quarantined(engine, tmp_path):
     assert "oversized line" in rows[-1].reason and len(rows[-1].raw) == 0
 
 
+def test_a_rotated_log_gets_its_own_bad_lines_quarantined(engine, tmp_path):
+    """A log rotated under the same name has new bad lines at the numbers the old one had: each is stored
+    (quarantine knows a line by file, number and content), while a rerun of the same file adds no row twice.
+    (A bad line at a number already quarantined under that name was counted and never stored.)"""
+    path = tmp_path / "serve.jsonl"
+    factory = lambda: session_scope(engine)  # noqa: E731
+    big = json.dumps(_trace(7, metadata={"blob": "x" * 5000}))
+    _write(path, [json.dumps(_trace(0)), "{not json", big])
+    first = ingest_file(path, session_factory=factory, max_line_bytes=4096)
+    _write(path, [json.dumps(_trace(1)), '{"messages": [1]', big.replace("x", "y")])  # rotated: same name
+    rotated = ingest_file(path, session_factory=factory, max_line_bytes=4096)
+    again = ingest_file(path, session_factory=factory, max_line_bytes=4096)  # a rerun of the rotated file
+    assert (first.stored, first.quarantined) == (rotated.stored, rotated.quarantined) == (1, 2)
+    assert (again.stored, again.duplicate, again.quarantined) == (0, 1, 2)
+    with session_scope(engine) as s:
+        rows = s.scalars(select(Quarantine).order_by(Quarantine.id)).all()
+    assert [(r.line_number, r.raw.strip()) for r in rows] == [
+        (2, "{not json"),
+        (3, ""),
+        (2, '{"messages": [1]'),
+        (3, ""),
+    ]
+    assert len({r.line_sha256 for r in rows}) == 4 and all(len(r.line_sha256) == 64 for r in rows)
+
+
 def test_missing_file_and_bad_source(engine, tmp_path):
     with pytest.raises(NotFoundError, match="no such file"):
         ingest_file(tmp_path / "nope.jsonl", session_factory=lambda: session_scope(engine))

@@ -16,6 +16,7 @@ PromptsOpt = Annotated[
     int, typer.Option(min=1, help="Practice prompts per specialist per cycle, from its contract task source.")
 ]
 SamplesOpt = Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")]
+MAX_REASON = 500  # an operator's reason, as the dashboard's form takes it
 
 
 def lineage_rows(lineage: str) -> list[dict[str, Any]]:
@@ -286,6 +287,29 @@ def rollback_cmd(lineage: LineageOpt = "main") -> None:
         number = rollback_champion(session=session, lineage=lineage, actor="cli").number
     sync_champion_aliases(lineage=lineage, tracker=make_tracker)
     typer.echo(f"rolled back: generation {number} is the champion of {lineage!r} again")
+
+
+@app.command("abandon")
+def abandon_cmd(
+    lineage: LineageOpt = "main",
+    reason: Annotated[
+        str, typer.Option(help="Why (kept with the generation and in the audit log).")
+    ] = "abandoned by the operator",
+) -> None:
+    """Fail the lineage's in-flight candidate (audited); the next `ratchet advance` starts a new one."""
+    from pipeline.registry import get_engine, session_scope
+    from pipeline.registry.generations import abandon_generation
+
+    if not reason.strip() or len(reason) > MAX_REASON:
+        raise RatchetError(f"--reason: give one, of at most {MAX_REASON} characters")
+
+    with session_scope(get_engine()) as session:
+        gen = abandon_generation(session=session, lineage=lineage, reason=reason, actor="cli")
+        number, step = gen.number, gen.step
+    done = f" (its last step done: {step})" if step else ""
+    typer.echo(
+        f"generation {number} of {lineage!r} is abandoned{done}: the next `ratchet advance` starts anew"
+    )
 
 
 @app.command("sync-aliases")

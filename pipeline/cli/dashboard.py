@@ -20,6 +20,13 @@ def dashboard(
             help="Host name browsers use to reach it (repeatable; loopback names are always allowed)."
         ),
     ] = None,
+    trusted_proxy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Address or network of a reverse proxy whose X-Forwarded-For names the client (repeatable); "
+            "otherwise the connection's peer is the client (wrong admin tokens are throttled per client)."
+        ),
+    ] = None,
 ) -> None:
     """See the lineage, each generation's evidence and the experience behind it in a browser.
 
@@ -39,7 +46,7 @@ def dashboard(
         )
     hosts = [*LOOPBACK_HOSTS, *(allow_host or []), *([] if host in ("0.0.0.0", "::") else [host])]
     settings = get_settings()
-    web = create_app(settings, lineage_name=lineage, allowed_hosts=hosts)
+    web = create_app(settings, lineage_name=lineage, allowed_hosts=hosts, trusted_proxies=trusted_proxy or ())
     if host not in LOOPBACK_HOSTS:
         typer.echo(
             "note: the session cookie is Secure: off loopback, serve the dashboard behind TLS (a reverse proxy), "
@@ -48,4 +55,7 @@ def dashboard(
         )
     mode = "actions allowed with the admin token" if settings.admin_token else "read-only"
     typer.echo(f"dashboard on http://{host}:{port}/ ({mode}); JSON API at /api, reference at /api/docs")
-    uvicorn.run(web, host=host, port=port, log_level="warning")
+    # proxy_headers off: uvicorn would otherwise take the client address from X-Forwarded-For of any
+    # loopback peer (its default), letting a local process pose as anyone; Access reads it from trusted
+    # proxies only
+    uvicorn.run(web, host=host, port=port, log_level="warning", proxy_headers=False)

@@ -69,6 +69,60 @@ def serve(
             min=0, help="Adapters attached at once; the others are attached on demand (LRU). 0: all."
         ),
     ] = C.max_loaded_adapters,
+    adapter_root: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Directory besides the artifact store that /v1/load_lora_adapter may load adapters from "
+            "(--expose-adapters; repeatable). Any other path is refused."
+        ),
+    ] = None,
+    spool_max_bytes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Bytes of served turns kept in the write-ahead spool while the registry does not take "
+            "them; past it new chat requests get 503 with Retry-After. 0: no limit.",
+        ),
+    ] = C.spool_max_bytes,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="A request's headers must arrive within this many seconds of the connection (or of the "
+            "previous answer); else the connection is closed (408). 0: none.",
+        ),
+    ] = C.header_timeout_s,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(min=0, help="A request body must arrive within this many seconds (else 408). 0: none."),
+    ] = C.body_timeout_s,
+    body_idle_s: Annotated[
+        float,
+        typer.Option(min=0, help="Longest gap without a byte of a request body (else 408). 0: none."),
+    ] = C.body_idle_s,
+    max_connections_per_client: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Open connections from one client address; one more is answered 429 and closed (behind a "
+            "reverse proxy every client shares its address). 0: none.",
+        ),
+    ] = C.max_connections_per_client,
+    max_requests_per_key: Annotated[
+        int,
+        typer.Option(min=0, help="Requests in flight per API key; one more gets 429. 0: none."),
+    ] = C.max_requests_per_key,
+    max_feedback: Annotated[
+        int,
+        typer.Option(min=0, help="POST /v1/feedback requests at once; one more gets 429. 0: none."),
+    ] = C.max_feedback,
+    rescore_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Re-scoring a turn after feedback that takes longer is stored as not verified. 0: none.",
+        ),
+    ] = C.rescore_timeout_s,
     allow_anonymous: Annotated[
         bool,
         typer.Option(
@@ -115,6 +169,15 @@ def serve(
         request_timeout_s=request_timeout_s,
         max_lora_rank=max_lora_rank,
         max_loaded_adapters=max_loaded_adapters,
+        adapter_roots=tuple(adapter_root or C.adapter_roots),
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+        body_idle_s=body_idle_s,
+        max_connections_per_client=max_connections_per_client,
+        max_requests_per_key=max_requests_per_key,
+        max_feedback=max_feedback,
+        rescore_timeout_s=rescore_timeout_s,
+        spool_max_bytes=spool_max_bytes,
     )
     if expose_adapters:
         from pipeline.registry import get_engine
@@ -135,6 +198,7 @@ def serve(
             access=Access(db=get_engine(config.registry_url), api_key=settings.api_key),
             model_names={name: s for s, name in names.items()},
             max_body_bytes=max_body_bytes,
+            adapter_roots=config.adapter_roots,
         )
         typer.echo(f"serving generation {plan.number}'s adapters as models on http://{host}:{port}/v1")
     else:
@@ -142,7 +206,11 @@ def serve(
 
         web = create_app(config)
         typer.echo(f"serving {lineage} {generation} on http://{host}:{port}/v1 (model `ratchet`)")
-    uvicorn.run(web, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    from pipeline.serving.limits import uvicorn_options
+
+    uvicorn.run(
+        web, host=host, port=port, log_level="info", timeout_graceful_shutdown=30, **uvicorn_options(config)
+    )
 
 
 def refuse_open_host(host: str, *, api_key: str | None, registry_url: str) -> None:

@@ -14,6 +14,52 @@ from pipeline.candidate import AdvanceConfig, Progress, contract_of, load_genera
 if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
     from pipeline.eligibility import Candidate
+    from pipeline.pair import PairSpec
+
+MALFORMED = "malformed metadata.tools"  # a trace's tools no chat template can be given
+REFUSED = "the chat template refuses the prompt"
+
+
+def well_formed(candidates: list[Candidate], skipped: dict[str, int]) -> list[Candidate]:
+    """The candidates whose ``metadata.tools`` a chat template can be given (``toolcalls.tools_problem``);
+    the rest are counted in ``skipped``: a client's malformed tools never stop co-design."""
+    from pipeline.toolcalls import tools_problem
+
+    kept = [c for c in candidates if not tools_problem((c.metadata or {}).get("tools"))]
+    if len(kept) < len(candidates):
+        skipped[MALFORMED] = skipped.get(MALFORMED, 0) + len(candidates) - len(kept)
+    return kept
+
+
+def refusal(pair: PairSpec, specialist: str, item: dict[str, Any]) -> str | None:
+    """Why the pair's chat template cannot encode ``item``'s prompt under its harness, as ``pair.answer_items``
+    builds it (None: it can)."""
+    from pipeline.pair import cached_model, offered_tools
+    from pipeline.prompting import render_messages
+    from pipeline.templating import TemplateError, encode_prompt
+
+    _, tokenizer = cached_model(
+        pair.base_dir, pair.adapters[specialist], where=pair.where, tokenizer_dir=pair.tokenizer_dir
+    )
+    tools = (item.get("metadata") or {}).get("tools") or offered_tools(pair.harness, specialist)
+    try:
+        messages = render_messages(pair.harness, specialist, item["messages"])
+        encode_prompt(tokenizer, messages, fmt=pair.harness.tool_call_format, tools=tools)
+    except (TemplateError, ValueError, TypeError) as exc:  # transformers refuses malformed tools: ValueError
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return None
+
+
+def renderable(
+    pair: PairSpec, items: dict[str, list[dict[str, Any]]], skipped: dict[str, int]
+) -> dict[str, list[dict[str, Any]]]:
+    """The items whose prompt the pair's chat template encodes; the rest are counted in ``skipped``."""
+    out = {}
+    for s, rows in items.items():
+        out[s] = [it for it in rows if refusal(pair, s, it) is None]
+        if len(out[s]) < len(rows):
+            skipped[REFUSED] = skipped.get(REFUSED, 0) + len(rows) - len(out[s])
+    return out
 
 
 def validation_items(
@@ -63,9 +109,11 @@ def codesign_step(
         parent_harness = pair.harness
         candidates, _ = lineage_candidates(session, gen, contract)
         number = gen.number
+    skipped: dict[str, int] = {}  # traces and items left out, by reason
     if not config.codesign:
         outcome = {"chosen": parent_harness.version, "variants": {}}
     else:
+        candidates = well_formed(candidates, skipped)
         # Exemplar material: verified experience that passed the selection rules (held out: never there).
         top: dict[str, list[dict[str, Any]]] = {}
         for cand, messages, score in sorted(eligible_examples(candidates, contract), key=lambda e: -e[2]):
@@ -95,12 +143,21 @@ def codesign_step(
             seed=step_seed(config, number, "validation"),
             candidates=candidates,
         )
-        scores = {}
+        # an item the parent's chat template refuses (a trace's own text or tools): left out, counted
+        items = renderable(pair, items, skipped)
+        scores, refused = {}, {}
         best_label, best_value, best_spec = parent_harness.version, None, parent_harness
         for label, spec in [(parent_harness.version, parent_harness), *((v.label, v.spec) for v in variants)]:
             if check_harness(spec, contract):
                 continue
-            per = score_pair(dataclasses.replace(pair, harness=spec), items, contract)
+            variant = dataclasses.replace(pair, harness=spec)
+            why = next(
+                (w for s, rows in items.items() for it in rows if (w := refusal(variant, s, it))), None
+            )
+            if why is not None:  # e.g. an exemplar the chat template refuses: a variant the model cannot use
+                refused[label] = why[:200]
+                continue
+            per = score_pair(variant, items, contract)
             value = sum(sum(v) / len(v) for v in per.values() if v) / max(
                 1, sum(1 for v in per.values() if v)
             )
@@ -111,6 +168,7 @@ def codesign_step(
             "chosen": best_label,
             "variants": scores,
             "operators": {v.label: v.operator for v in variants},
+            **({"refused": refused} if refused else {}),
         }
         if best_spec is not parent_harness:
             with session_scope(engine) as session:
@@ -124,6 +182,8 @@ def codesign_step(
                     actor="codesign",
                 )
                 gen.harness_version_id = row.id
+    if skipped:
+        outcome["skipped"] = skipped
     with session_scope(engine) as session:
         mark_step(session, load_generation(session, generation_id), "codesign", outcome)
     return outcome

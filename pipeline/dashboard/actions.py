@@ -1,4 +1,5 @@
-"""The dashboard's actions: sign in and out, promote a generation, roll the champion back, re-score a trace.
+"""The dashboard's actions: sign in and out, promote a generation, roll the champion back, abandon the candidate
+in flight, re-score a trace.
 
 Each action is allowed by ``security.Access.require`` (bearer token, or session cookie plus CSRF token and
 a same-origin check) and changes the registry through its data functions, which write the audit log with
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import FastAPI, Form, Header, Request
+from fastapi import FastAPI, Form, Header, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from sqlalchemy.orm import sessionmaker
 
@@ -19,7 +20,7 @@ from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access, Id
 from pipeline.errors import ConflictError
 from pipeline.settings import Settings
 
-__all__ = ["action_routes", "promote", "rescore", "rollback"]
+__all__ = ["abandon", "action_routes", "promote", "rescore", "rollback"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,15 @@ def rollback(*, factory: sessionmaker, settings: Settings, lineage: str, actor: 
     with factory.begin() as session:
         number = rollback_champion(session=session, lineage=lineage, actor=actor).number
     return _with_aliases({"champion": number, "lineage": lineage}, factory=factory, settings=settings)
+
+
+def abandon(*, factory: sessionmaker, lineage: str, actor: str, reason: str) -> dict[str, Any]:
+    """Fail the lineage's in-flight candidate for ``reason``; the next advance starts a new one."""
+    from pipeline.registry.generations import abandon_generation
+
+    with factory.begin() as session:
+        gen = abandon_generation(session=session, lineage=lineage, reason=reason, actor=actor)
+        return {"abandoned": gen.number, "lineage": lineage, "status": gen.status, "reason": reason}
 
 
 def _with_aliases(result: dict[str, Any], *, factory: sessionmaker, settings: Settings) -> dict[str, Any]:
@@ -115,6 +125,7 @@ def action_routes(
             csrf=csrf or request.headers.get("x-csrf-token"),
             origin=request.headers.get("origin"),
             own_origin=own,
+            client=access.client(request),
         )
 
     Auth = Annotated[str | None, Header(description="`Bearer <RATCHET_ADMIN_TOKEN>`")]
@@ -134,8 +145,8 @@ def action_routes(
                 {"error": "actions are disabled: RATCHET_ADMIN_TOKEN is not set"},
                 status=403,
             )
-        if not access.token_matches(token):
-            await asyncio.sleep(0.5)  # a wrong guess costs time (and all of them together are throttled)
+        if not access.token_matches(token, client=access.client(request)):
+            await asyncio.sleep(0.5)  # a wrong guess costs time (and each client's are throttled)
             return render(request, "login.html", {"error": "wrong token"}, status=401)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(
@@ -185,6 +196,16 @@ def action_routes(
         )
         return back("/", lineage)
 
+    Reason = Annotated[str, Form(min_length=1, max_length=500)]
+
+    @app.post("/abandon", include_in_schema=False)
+    def abandon_form(
+        request: Request, csrf: Csrf = None, lineage: Lineage = lineage_name,
+        reason: Reason = "abandoned from the dashboard", authorization: Auth = None,
+    ) -> Response:  # fmt: skip
+        abandon(factory=factory, lineage=lineage, actor=actor(request, authorization, csrf), reason=reason)
+        return back("/", lineage)
+
     @app.post("/experience/{experience_id}/rescore", include_in_schema=False)
     def rescore_form(
         request: Request,
@@ -222,6 +243,17 @@ def action_routes(
                 factory=factory, settings=settings, lineage=lineage, actor=actor(request, authorization, None)
             )
         )
+
+    @app.post("/api/abandon", tags=["actions"])
+    def abandon_api(
+        request: Request,
+        lineage: str = lineage_name,
+        reason: Annotated[str, Query(min_length=1, max_length=500)] = "abandoned through the API",
+        authorization: Auth = None,
+    ) -> JSONResponse:
+        """Fail the candidate in flight, with a reason; the next advance starts anew (admin token; audited)."""
+        who = actor(request, authorization, None)
+        return JSONResponse(abandon(factory=factory, lineage=lineage, actor=who, reason=reason))
 
     @app.post("/api/experience/{experience_id}/rescore", tags=["actions"])
     def rescore_api(

@@ -64,10 +64,12 @@ def create_app(
     *,
     lineage_name: str = "main",
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    trusted_proxies: Sequence[str] = (),
 ) -> FastAPI:
     """The dashboard over the registry of ``settings`` (default: the environment's). Requests whose ``Host``
     is not in ``allowed_hosts`` are refused (400), so a web page cannot read the dashboard through DNS
-    rebinding."""
+    rebinding. ``trusted_proxies``: peers whose ``X-Forwarded-For`` names the client (wrong admin tokens are
+    throttled per client)."""
     from pipeline.registry import get_engine
     from pipeline.settings import get_settings
 
@@ -76,7 +78,7 @@ def create_app(
     import scipy.stats  # noqa: F401 - the intervals need it; imported now, not on the first page view
 
     factory = sessionmaker(bind=engine, expire_on_commit=False)
-    access = Access(settings.admin_token)
+    access = Access(settings.admin_token, trusted_proxies=trusted_proxies)
     env = _templates()
     artifacts = settings.artifacts_dir
     app = FastAPI(

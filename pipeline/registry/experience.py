@@ -128,27 +128,42 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
     return len(session.execute(stmt.returning(_raw.c.id), params).all())
 
 
-def quarantined_line_numbers(*, session: Session, source_file: str) -> array:
-    """The line numbers of ``source_file`` already in quarantine, sorted (8 bytes each: a rerun of a file
-    with a million bad lines holds 8 MB, not a million Python ints)."""
+ANY_CONTENT = -(1 << 63)  # the prefix of a line quarantined before 0009 whose content was not recoverable
+
+
+def line_key(sha256_hex: str) -> int:
+    """The first 64 bits of a line's sha256 as a signed integer (what ``quarantined_lines`` holds)."""
+    return int(sha256_hex[:16], 16) - (1 << 63) + 1  # never ANY_CONTENT
+
+
+def quarantined_lines(*, session: Session, source_file: str) -> tuple[array, array]:
+    """(line numbers, content keys) of ``source_file``'s quarantined lines, ordered by line number; a key is
+    ``line_key`` of the line's sha256, or ``ANY_CONTENT`` for a line quarantined before its hash was kept
+    (migration 0009 recovers it where the kept text is the whole line). 16 bytes a line: a rerun of a file
+    with a million bad lines holds 16 MB, not a million Python tuples."""
     stmt = (
-        select(Quarantine.line_number)
+        select(Quarantine.line_number, Quarantine.line_sha256)
         .where(Quarantine.source_file == source_file)
-        .distinct()
         .order_by(Quarantine.line_number)
     )
-    numbers = array("q")
-    for chunk in session.execute(stmt).scalars().partitions(10_000):
-        numbers.extend(chunk)
-    return numbers
+    numbers, keys = array("q"), array("q")
+    for chunk in session.execute(stmt).partitions(10_000):
+        for number, digest in chunk:
+            numbers.append(number)
+            keys.append(ANY_CONTENT if digest is None else line_key(digest))
+    return numbers, keys
 
 
-def quarantine_lines(*, session: Session, source_file: str, entries: Sequence[tuple[int, str, str]]) -> None:
-    """Keep malformed input: (line number, reason, raw text) per entry."""
+def quarantine_lines(
+    *, session: Session, source_file: str, entries: Sequence[tuple[int, str, str, str | None]]
+) -> None:
+    """Keep malformed input: (line number, reason, raw text, sha256 of the whole line) per entry."""
     now = utcnow()
     session.add_all(
-        Quarantine(source_file=source_file, line_number=n, reason=reason, raw=raw, created_at=now)
-        for n, reason, raw in entries
+        Quarantine(
+            source_file=source_file, line_number=n, reason=reason, raw=raw, line_sha256=digest, created_at=now
+        )
+        for n, reason, raw, digest in entries
     )
     session.flush()
 
@@ -197,3 +212,16 @@ def attach_feedback(
                  "counted": counted},
     )  # fmt: skip
     return row, counted
+
+
+def set_served_summary(*, session: Session, completion_id: str, index: str, summary: str) -> bool:
+    """Set ``metadata.summaries[index]`` of the served turn ``completion_id`` (a model-written summary that
+    arrived after the turn was stored). Returns False when no such turn is stored."""
+    row = session.scalar(select(Experience).where(Experience.completion_id == completion_id))
+    if row is None:
+        return False
+    meta = dict(row.meta or {})
+    meta["summaries"] = {**(meta.get("summaries") or {}), index: summary}
+    row.meta = meta
+    session.flush()
+    return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -9,6 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
+from pipeline.registry.adapter_source import check_adapter_source
 from pipeline.registry.db import hold_lock
 from pipeline.registry.models import (
     IN_FLIGHT,
@@ -18,6 +20,7 @@ from pipeline.registry.models import (
     GenerationStatus,
 )
 from pipeline.registry.versions import audit
+from pipeline.settings import get_settings
 
 # Which status may follow which (manual overrides go through promote/rollback instead).
 TRANSITIONS: dict[str, set[str]] = {
@@ -253,6 +256,42 @@ def rollback_champion(*, session: Session, lineage: str = "main", actor: str = "
     return parent
 
 
+def abandon_generation(*, session: Session, lineage: str = "main", reason: str, actor: str) -> Generation:
+    """Fail the lineage's in-flight candidate for ``reason`` (audited), so that the next ``ratchet advance``
+    starts a new one. Its lease is cleared: a run still building it loses the lease and stops at its next
+    write (``lease.LeaseLostError``). An evaluated candidate stays an attempt against its parent
+    (``evaluation.attempt_number``): its comparison was made, whatever became of it."""
+    hold_lock(session=session, key=f"lineage:{lineage}")
+    gen = session.scalar(
+        _load(session)
+        .where(Generation.lineage == lineage, Generation.status.in_([str(s) for s in IN_FLIGHT]))
+        .execution_options(populate_existing=True)
+    )
+    if gen is None:
+        raise ConflictError(f"lineage {lineage!r} has no candidate in flight: there is nothing to abandon")
+    before, holder = gen.status, gen.lease_owner
+    gen.status = GenerationStatus.failed
+    gen.decision = f"abandoned by {actor}: {reason}"
+    gen.lease_owner, gen.lease_expires_at = None, None
+    session.flush()
+    audit(
+        session=session,
+        actor=actor,
+        entity="generations",
+        entity_id=gen.id,
+        action="abandon",
+        details={
+            "number": gen.number,
+            "from": before,
+            "after_step": gen.step,
+            "lease_owner": holder,
+            "evaluated": "comparison" in (gen.evaluation or {}),
+        },
+        message=reason,
+    )
+    return gen
+
+
 def next_adapter_version(*, session: Session, base_model_id: int, specialist: str) -> int:
     current = session.scalar(
         select(func.max(Adapter.version)).where(
@@ -278,11 +317,16 @@ def create_adapter(
     metrics: dict[str, Any] | None = None,
     method: str = "sft",
     actor: str = "ratchet",
+    artifact_root: Path | None = None,
 ) -> Adapter:
-    """Record a trained adapter (its files stay at ``artifact_uri``, checked by ``sha256`` when loaded).
+    """Record a trained adapter (its files stay at ``artifact_uri``, checked by ``sha256`` again when loaded).
 
-    Versions of one specialist's adapter are numbered 1, 2, 3, ... without gaps, also when several
-    processes create them at once (the numbering is serialized by ``hold_lock``)."""
+    The source is checked first (``check_adapter_source``): a directory inside ``artifact_root`` (default:
+    the Ratchet home's artifact store) with safetensors weights, a peft config and the given sha256; it is
+    recorded resolved. Versions of one specialist's adapter are numbered 1, 2, 3, ... without gaps, also
+    when several processes create them at once (the numbering is serialized by ``hold_lock``)."""
+    root = artifact_root if artifact_root is not None else get_settings().artifacts_dir
+    artifact_uri = str(check_adapter_source(artifact_uri=artifact_uri, sha256=sha256, artifact_root=root))
     hold_lock(session=session, key=f"adapter:{base_model_id}:{specialist}")
     row = Adapter(
         specialist=specialist,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.scorers.patterns import check_schema, safe_validator
 from pipeline.texts import message_text
 
 __all__ = ["NOT_APPLICABLE", "ScorerOutcome", "TurnContext", "message_text"]
@@ -70,15 +70,27 @@ class TurnContext:
         return ""
 
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_TAG = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-"  # what a fence's tag is made of
 
 
 def fenced_blocks(text: str, languages: tuple[str, ...] = ()) -> list[str]:
-    """Bodies of the ``` fenced blocks in ``text`` (only those tagged with one of ``languages``, or untagged)."""
-    out = []
-    for lang, body in _FENCE.findall(text):
+    """Bodies of the ``` fenced blocks in ``text`` (only those tagged with one of ``languages``, or untagged).
+
+    A scan with ``str.find``, linear in the text (and, being Python, letting other threads run): the regular
+    expression it replaces, with ``findall``, tried every ``` as an opening and read on to the end of the
+    text from each, holding the GIL, so an answer or correction of many unclosed fences took minutes
+    (issue 22)."""
+    out, pos = [], 0
+    while (start := text.find("```", pos)) >= 0:
+        eol = text.find("\n", start + 3)
+        end = text.find("```", eol + 1) if eol >= 0 else -1
+        if end < 0:  # no later fence can be closed either
+            break
+        header = text[start + 3 : eol].lstrip(" \t")
+        lang = header[: len(header) - len(header.lstrip(_TAG))]
         if not languages or not lang or lang.lower() in languages:
-            out.append(body)
+            out.append(text[eol + 1 : end])
+        pos = end + 3
     return out
 
 
@@ -100,7 +112,8 @@ _VALIDATORS: dict[str, Any] = {}
 def schema_validator(schema: dict[str, Any]) -> Any:
     """A checked, compiled JSON Schema validator, built once per distinct schema (the meta-schema check and
     the validator's construction cost far more than validating a small document). Raises
-    ``jsonschema.SchemaError`` for an invalid schema."""
+    ``jsonschema.SchemaError`` for an invalid schema, and for a regular expression in it that RE2 cannot run
+    (``pipeline.scorers.patterns``): such a schema verifies nothing."""
     import json
 
     import jsonschema
@@ -110,11 +123,11 @@ def schema_validator(schema: dict[str, Any]) -> Any:
     if found is None:
         cls = jsonschema.validators.validator_for(schema)
         try:
-            cls.check_schema(schema)
+            check_schema(cls, schema)
         except jsonschema.SchemaError as exc:
             found = exc
         else:
-            found = cls(schema)
+            found = safe_validator(cls)(schema)  # its regular expressions run on RE2 (``patterns``)
         if len(_VALIDATORS) >= 4096:
             _VALIDATORS.pop(next(iter(_VALIDATORS)))
         _VALIDATORS[key] = found

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -26,18 +25,22 @@ def _version_str(value: Any) -> Any:
 
 
 def _check_regex(value: str) -> str:
-    try:
-        re.compile(value)
-    except re.error as exc:
-        raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
+    from pipeline.scorers.patterns import PatternError, compile_pattern
+
+    try:  # RE2, the engine that runs it (``pipeline.scorers.patterns``): what it cannot run is refused here
+        compile_pattern(value)
+    except PatternError as exc:
+        raise ValueError(str(exc)) from None
     return value
 
 
 def _check_json_schema(value: dict[str, Any]) -> dict[str, Any]:
     import jsonschema
 
+    from pipeline.scorers.patterns import check_schema
+
     try:
-        jsonschema.validators.validator_for(value).check_schema(value)
+        check_schema(jsonschema.validators.validator_for(value), value)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "<root>"
         raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
@@ -155,9 +158,12 @@ class RegexScorer(ScorerBase):
     """The assistant's content matches (or must not match) a regular expression."""
 
     kind: Literal["regex"] = Field(description="Search the answer with a regular expression.")
-    pattern: Regex = Field(description="Python regular expression searched in the assistant content.")
+    pattern: Regex = Field(
+        description="Regular expression searched in the assistant content, in RE2 syntax (linear time: no "
+        "look-around or back-references)."
+    )
     flags: list[Literal["IGNORECASE", "MULTILINE", "DOTALL"]] = Field(
-        default_factory=list, description="re flags."
+        default_factory=list, description="Flags (RE2's inline (?i), (?m), (?s))."
     )
     full_match: bool = Field(
         default=False, description="Require the whole content to match instead of a search."

@@ -20,6 +20,7 @@ from pipeline.scorers.config import (
     LengthScorer,
     RegexScorer,
 )
+from pipeline.scorers.patterns import PatternError, compile_pattern
 
 _PUNCT = string.punctuation + "“”‘’"
 
@@ -65,11 +66,12 @@ def score_exact_match(cfg: ExactMatchScorer, ctx: TurnContext) -> ScorerOutcome:
 
 
 def score_regex(cfg: RegexScorer, ctx: TurnContext) -> ScorerOutcome:
-    """1 when the pattern matches (or, with ``negate``, does not)."""
-    flags = 0
-    for name in cfg.flags:
-        flags |= getattr(re, name)
-    pattern = re.compile(cfg.pattern, flags)
+    """1 when the pattern matches (or, with ``negate``, does not); matched by RE2 (linear time), and not
+    applicable, with the reason, when RE2 cannot run the pattern (``pipeline.scorers.patterns``)."""
+    try:
+        pattern = compile_pattern(cfg.pattern, cfg.flags)
+    except PatternError as exc:
+        return ScorerOutcome(None, str(exc))
     matched = (pattern.fullmatch if cfg.full_match else pattern.search)(ctx.text) is not None
     if matched != cfg.negate:
         return ScorerOutcome(1.0)
@@ -91,11 +93,11 @@ def score_json_schema(cfg: JsonSchemaScorer, ctx: TurnContext) -> ScorerOutcome:
         return ScorerOutcome(1.0, info={"note": "no schema: checked that the answer parses as JSON"})
     if not isinstance(schema, dict):
         return ScorerOutcome(None, f"metadata.{cfg.schema_field} is not a JSON Schema object")
-    try:
+    try:  # a pattern RE2 cannot run makes the schema invalid: not verified, with the reason
         validator = schema_validator(schema)
+        errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     except jsonschema.SchemaError as exc:
         return ScorerOutcome(None, f"invalid schema in metadata.{cfg.schema_field}: {exc.message}")
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if not errors:
         return ScorerOutcome(1.0, verified=True)
     first = errors[0]

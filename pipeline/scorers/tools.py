@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jsonschema
+
 from pipeline.scorers.base import (
     NOT_APPLICABLE,
     ScorerOutcome,
@@ -80,7 +82,10 @@ def _check_call(call: dict[str, Any], ctx: TurnContext) -> tuple[dict[str, Any],
     tool = tools.get(call["name"])
     if tool is None:
         return args, f"unknown tool {call['name']!r} (harness tools: {', '.join(sorted(tools)) or 'none'})"
-    errors = list(schema_validator(tool.function.parameters).iter_errors(args))
+    try:  # a pattern RE2 cannot run (``patterns``) leaves the arguments unchecked, and says so
+        errors = list(schema_validator(tool.function.parameters).iter_errors(args))
+    except jsonschema.SchemaError as exc:
+        return args, f"{call['name']}: arguments not checked: invalid parameters schema: {exc.message}"
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "<root>"
         return args, f"{call['name']}: arguments invalid at {where}: {errors[0].message}"

@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.harness import HarnessSpec
-from pipeline.scoring.trace import FINAL, TOTAL, final_details, score_trace, total_details
+from pipeline.scoring.trace import (
+    FINAL,
+    TOTAL,
+    TraceScoreResult,
+    TurnScore,
+    final_details,
+    score_trace,
+    total_details,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -49,7 +59,14 @@ _COLUMNS = ("id", "messages", "meta", "feedback", "routes", "specialist", "harne
 class _Batches:
     """Scores batches of experience rows under one contract version: harness per trace, thread pool, rows."""
 
-    def __init__(self, session: Session, contract_version_id: int, harness: HarnessSpec | None, workers: int):
+    def __init__(
+        self,
+        session: Session,
+        contract_version_id: int,
+        harness: HarnessSpec | None,
+        workers: int,
+        timeout_s: float = 0.0,
+    ):
         from pipeline.contract import stored_contract
         from pipeline.errors import NotFoundError
         from pipeline.registry.models import ContractVersion
@@ -62,6 +79,7 @@ class _Batches:
         self.fallback = harness
         self.harnesses: dict[int, HarnessSpec | None] = {}
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        self.timeout_s = timeout_s  # per batch; 0: none (see ``timed``)
 
     def harness_for(self, version_id: int | None) -> HarnessSpec | None:
         from pipeline.registry.models import HarnessVersion
@@ -76,6 +94,38 @@ class _Batches:
                 log.warning("harness version %s does not validate (%s); using the fallback", version_id, exc)
                 self.harnesses[version_id] = self.fallback
         return self.harnesses[version_id]
+
+    def timed(self, jobs: list[tuple[int, dict, HarnessSpec | None]]) -> list[TraceScoreResult]:
+        """Score each job in a daemon thread, waiting ``timeout_s`` for them all: a trace whose scoring is
+        still running then is stored as scored by nothing (not verified), with the reason, and its thread is
+        left to end on its own (a thread cannot be stopped; a daemon one holds no exit). Nothing hangs the
+        caller -- the server's feedback -- whatever a scorer does."""
+        out: list[TraceScoreResult | BaseException | None] = [None] * len(jobs)
+
+        def run(i: int, trace: dict, harness: HarnessSpec | None) -> None:
+            try:
+                out[i] = score_trace(self.contract, trace, harness=harness)
+            except BaseException as exc:  # raised in the caller, as without a timeout
+                out[i] = exc
+
+        threads = [
+            threading.Thread(target=run, args=(i, job[1], job[2]), daemon=True, name="rescore")
+            for i, job in enumerate(jobs)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        done = []
+        for (exp_id, trace, _), result in zip(jobs, out, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            if result is None:  # still running
+                log.warning("scoring experience %s did not finish within %g s", exp_id, self.timeout_s)
+                result = _unscored(trace, f"scoring did not finish within {self.timeout_s:g} s: not verified")
+            done.append(result)
+        return done
 
     def score(self, rows: list[Any], result: ScoreRunResult, reason: str) -> None:
         """Score ``rows`` (experience columns ``_COLUMNS``), replace their scores under this version (the
@@ -97,7 +147,12 @@ class _Batches:
             }
             jobs.append((r.id, trace, self.harness_for(r.harness_version_id)))
         with CLOCK.measure("score"):
-            scored = list(self.pool.map(lambda job: score_trace(self.contract, job[1], harness=job[2]), jobs))
+            if self.timeout_s:
+                scored = self.timed(jobs)
+            else:
+                scored = list(
+                    self.pool.map(lambda job: score_trace(self.contract, job[1], harness=job[2]), jobs)
+                )
         ids = [job[0] for job in jobs]
         result.superseded += supersede_scores(
             session=self.session,
@@ -150,6 +205,15 @@ class _Batches:
             result.by_specialist[res.specialist] = result.by_specialist.get(res.specialist, 0) + 1
         result.rows += insert_scores(session=self.session, rows=new_rows)  # one executemany per batch
         self.session.commit()
+
+
+def _unscored(trace: dict[str, Any], reason: str) -> TraceScoreResult:
+    """A trace scored by nothing: its final assistant turn holds ``reason`` as its one error."""
+    messages = trace.get("messages") or []
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=0)
+    specialist = str((trace.get("metadata") or {}).get("specialist") or "")
+    turn = TurnScore(last, specialist, {}, {"timeout": reason}, None)
+    return TraceScoreResult(specialist=specialist, total=None, values={}, details={}, turns=[turn])
 
 
 def score_experience(
@@ -209,11 +273,17 @@ def score_experience(
 
 
 def rescore_experience(
-    *, session: Session, experience_ids: list[int], reason: str, also_under: int | None = None
+    *,
+    session: Session,
+    experience_ids: list[int],
+    reason: str,
+    also_under: int | None = None,
+    timeout_s: float = 0.0,
 ) -> list[ScoreRunResult]:
     """Score these traces again under every contract version that has scored them (e.g. feedback arrived
     after scoring), and under contract version ``also_under`` if given; the replaced rows stay in
-    ``score_history`` with ``reason``."""
+    ``score_history`` with ``reason``. With ``timeout_s``, a trace whose scoring under one version takes
+    longer is stored as not verified (``_Batches.timed``)."""
     from sqlalchemy import select
 
     from pipeline.registry.models import Experience, Score
@@ -231,7 +301,7 @@ def rescore_experience(
     ).all()
     out = []
     for version_id in versions:
-        batches = _Batches(session, version_id, None, 1)
+        batches = _Batches(session, version_id, None, 1, timeout_s)
         try:
             result = ScoreRunResult(contract_version_id=version_id)
             batches.score(rows, result, reason)

@@ -3,7 +3,8 @@
 Modules: ``router`` (pure routing policy, learned classifier, accuracy), ``routereval`` (router accuracy
 per generation), ``toolcalls`` (tool-call text formats <-> OpenAI ``tool_calls``), ``views`` (per-specialist
 views, turn memory, summaries), ``runtime`` (checked adapter loading, batched mixed-adapter decoding),
-``adapters`` (adapter checks, the attached-adapter budget), ``mixlora`` (fast per-row LoRA), ``scheduler``
+``adapters`` (adapter checks, the attached-adapter budget; ``adapter_weights``: the weights file's
+safetensors header), ``mixlora`` (fast per-row LoRA), ``scheduler``
 (async micro-batching), ``engines`` (embedded / external OpenAI-compatible), ``limits`` (body size,
 admission, disconnects), ``served`` (``ServeConfig``, loading a generation), ``turns`` (route -> answer ->
 summary -> record), ``recorder`` (experience writer), ``protocol`` (OpenAI wire format), ``server``

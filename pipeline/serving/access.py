@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from fastapi import Request
 
 from pipeline.principals import ANONYMOUS_PRINCIPAL, OPERATOR_PRINCIPAL, Principal, key_digest
 from pipeline.serving.protocol import ApiError
+
+log = logging.getLogger(__name__)
 
 
 def bearer(request: Request) -> str | None:
@@ -50,6 +53,7 @@ class Access:
         self.refresh_s = refresh_s
         self._keys: dict[str, Principal] = {}
         self._read_at = -1e9
+        self._loaded = False  # keys were read from the registry at least once
         self._lock = asyncio.Lock()
 
     async def keys(self) -> dict[str, Principal]:
@@ -58,7 +62,21 @@ class Access:
             return self._keys
         async with self._lock:
             if time.monotonic() - self._read_at >= self.refresh_s:
-                self._keys = await asyncio.to_thread(_read_keys, self.db)
+                try:
+                    self._keys = await asyncio.to_thread(_read_keys, self.db)
+                    self._loaded = True
+                except Exception as exc:  # the registry is down or locked: serve on the keys known
+                    if not self._loaded:  # fail closed: no key was ever read, so none can be told apart
+                        raise ApiError(
+                            503,
+                            "the server cannot read its API keys from the registry now; retry shortly",
+                            type="server_error",
+                            code="service_unavailable",
+                            headers={"Retry-After": str(max(1, round(self.refresh_s)))},
+                        ) from None
+                    log.warning(
+                        "reading API keys failed (%s); using the %d keys read before", exc, len(self._keys)
+                    )
                 self._read_at = time.monotonic()
         return self._keys
 

@@ -7,10 +7,15 @@ front of it exactly as it would in front of vLLM. It is also how the external pa
 Adapters are added and removed at run time with vLLM's endpoints: ``POST /v1/load_lora_adapter``
 (``{"lora_name", "lora_path"}``, optionally ``sha256`` and ``base_model_id``, which vLLM does not have) and
 ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``). A loaded name is listed by ``/v1/models`` and can be
-requested as ``model``. Loading checks what ``load_runtime`` checks (safetensors only, the sha256 when
-given, the rank maximum, the base model id when given, every weight landing on a module) and needs the
-``admin`` scope (``RATCHET_API_KEY``, or a key granted it): without any key configured, both endpoints are
-refused.
+requested as ``model``. Loading checks what ``load_runtime`` checks (safetensors only, a valid header of
+float LoRA weights of the config's rank, the sha256 when given, the rank maximum, the base model id when
+given, every weight landing on a module) and needs the ``admin`` scope (``RATCHET_API_KEY``, or a key
+granted it): without any key configured, both endpoints are refused. Only directories inside the artifact
+store (``RATCHET_HOME``'s) or an ``adapter_roots`` directory are loaded; any other path, a URL, or a link
+leading outside is refused (400). Every refusal is one line.
+
+Unloading a name ends the requests in flight for it: a stream gets an OpenAI-style error event
+(``data: {"error": {...}}``) and is closed, a non-streamed request a 404 error; the unload itself succeeds.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +53,10 @@ from pipeline.serving.protocol import (
 )
 from pipeline.serving.runtime import Abort
 from pipeline.serving.server import install_error_handlers
+from pipeline.settings import get_settings
 from pipeline.spec import file_sha256
+
+log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-:]{0,127}$")  # no dots: peft nests modules by name
 
@@ -77,11 +87,14 @@ def create_adapter_app(
     access: Access | None = None,
     model_names: dict[str, str] | None = None,
     max_body_bytes: int = 0,
+    adapter_roots: Sequence[str | Path] = (),
 ) -> FastAPI:
     """An OpenAI-compatible multi-LoRA app over ``engine``; ``model_names``: served model name -> the
     runtime's specialist (default: each specialist under its own name). ``access``: who may do what
-    (default: ``RATCHET_API_KEY`` = ``api_key`` only)."""
+    (default: ``RATCHET_API_KEY`` = ``api_key`` only). ``adapter_roots``: directories besides the artifact
+    store that ``/v1/load_lora_adapter`` may load from."""
     access = access or Access(api_key=api_key)
+    roots = [get_settings().artifacts_dir, *map(Path, adapter_roots)]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +105,9 @@ def create_adapter_app(
     install_error_handlers(app)
     runtime = engine.runtime
     names = dict(model_names or {s: s for s in runtime.specialists})  # changed by load / unload
+    # served name -> the aborts of its requests being answered (ended by unload; weak: a request whose
+    # response never started leaves no trace)
+    inflight: dict[str, weakref.WeakSet[Abort]] = {}
 
     async def admin(request: Request) -> None:
         if (await access.principal(request)).name == ANONYMOUS:
@@ -126,7 +142,7 @@ def create_adapter_app(
                 400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name"
             )
         try:
-            src = await asyncio.to_thread(_source, body)
+            src = await asyncio.to_thread(_source, body, roots)
             await asyncio.to_thread(runtime.add_adapter, src, name=body.lora_name)
         except RatchetError as exc:
             raise ApiError(400, str(exc), param="lora_path") from None
@@ -145,6 +161,8 @@ def create_adapter_app(
                 code="not_found",
             )
         target = names.pop(body.lora_name)
+        for abort in inflight.pop(body.lora_name, set()):  # they leave their batch at its next step
+            abort.set(UNLOADED)
         if target not in names.values():
             await asyncio.to_thread(runtime.remove_adapter, target)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -181,12 +199,18 @@ def create_adapter_app(
             abort=Abort(),
         )
         cid, created = new_completion_id(), int(time.time())
+        inflight.setdefault(req.model, weakref.WeakSet()).add(ereq.abort)  # type: ignore[arg-type]
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, ereq.abort))  # type: ignore[arg-type]
+
+        def done() -> None:
+            watcher.cancel()
+            inflight.get(req.model, set()).discard(ereq.abort)  # type: ignore[arg-type]
+
         if not req.stream:
             try:
-                r = await _complete(engine, ereq)
+                r = await _complete(engine, ereq, req.model)
             finally:
-                watcher.cancel()
+                done()
             return JSONResponse(
                 completion_body(
                     cid=cid,
@@ -203,11 +227,21 @@ def create_adapter_app(
             try:
                 yield chunk(cid, req.model, created, {"role": "assistant", "content": ""})
                 result = None
-                async for item in engine.stream(ereq):
-                    if isinstance(item, EngineResult):
-                        result = item
-                    else:
-                        yield chunk(cid, req.model, created, {"content": item})
+                try:
+                    async for item in engine.stream(ereq):
+                        if isinstance(item, EngineResult):
+                            result = item
+                        else:
+                            yield chunk(cid, req.model, created, {"content": item})
+                    if result is not None and result.finish_reason == UNLOADED:
+                        raise RatchetError(unloaded(req.model))
+                except RatchetError as exc:  # unloaded before or while it was decoded
+                    yield sse(ApiError(404, str(exc), param="model", code="model_not_found").body())
+                    return
+                except Exception:  # a failed batch: the client is told, not cut off
+                    log.exception("stream for %s failed", req.model)
+                    yield sse(ApiError(500, "the engine failed on this request", type="server_error").body())
+                    return
                 yield chunk(cid, req.model, created, {}, result.finish_reason if result else "stop")
                 if result is not None and req.stream_options is not None and req.stream_options.include_usage:
                     yield sse(
@@ -222,7 +256,7 @@ def create_adapter_app(
                     )
                 yield "data: [DONE]\n\n"
             finally:  # the client left (or all was sent): its row leaves the batch
-                watcher.cancel()
+                done()
                 ereq.abort.set("disconnected")  # type: ignore[union-attr]
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -230,37 +264,68 @@ def create_adapter_app(
     return app
 
 
-async def _complete(engine: EmbeddedEngine, ereq: EngineRequest) -> EngineResult:
+UNLOADED = "unloaded"  # the abort reason (and finish reason) of a request whose model was unloaded
+
+
+def unloaded(model: str) -> str:
+    return f"model {model!r} was unloaded while this request was being answered"
+
+
+async def _complete(engine: EmbeddedEngine, ereq: EngineRequest, model: str) -> EngineResult:
     try:
         result = None
         async for item in engine.stream(ereq):
             if isinstance(item, EngineResult):
                 result = item
         assert result is not None
+        if result.finish_reason == UNLOADED:
+            raise RatchetError(unloaded(model))
         return result
-    except RatchetError as exc:  # unloaded while it waited
+    except RatchetError as exc:  # unloaded while it waited or was decoded
         raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
 
-def _source(body: LoadLoraRequest) -> AdapterSource:
+def allowed_directory(lora_path: str, roots: Sequence[Path], at: str) -> Path:
+    """``lora_path`` resolved (links followed), when it is an existing directory inside one of ``roots``;
+    a URL, a missing path or anything outside them is a ``RatchetError``."""
+    if "://" in lora_path:
+        raise RatchetError(f"{at}: lora_path must be a directory on the engine's disk, not a URL")
+    try:
+        path = Path(lora_path).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):  # missing, a loop of links, a NUL byte
+        raise RatchetError(f"{at}: no such directory") from None
+    if not any(path.is_relative_to(root.resolve()) for root in roots):
+        raise RatchetError(
+            f"{at}: outside the directories adapters are loaded from ({', '.join(map(str, roots))}); "
+            "put it in the artifact store or start the engine with --adapter-root"
+        )
+    if not path.is_dir():
+        raise RatchetError(f"{at}: not a directory")
+    return path
+
+
+def _source(body: LoadLoraRequest, roots: Sequence[Path]) -> AdapterSource:
     """What the request says about the adapter, as ``load_runtime`` checks it (rank and targets from its
     own config; without a sha256 the weights file's own is used, so only later changes are caught)."""
-    path = Path(body.lora_path)
-    at = f"adapter {body.lora_name!r} at {path}"
+    at = f"adapter {body.lora_name!r} at {body.lora_path[:300]!r}"  # repr: one line, whatever it holds
+    path = allowed_directory(body.lora_path, roots, at)
     try:
         config = json.loads((path / CONFIG).read_text())
     except FileNotFoundError:
         raise RatchetError(f"{at}: no {CONFIG} (not a peft adapter directory?)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RatchetError(f"{at}: unreadable {CONFIG}: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RatchetError(f"{at}: unreadable {CONFIG}: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(config, dict):
+        raise RatchetError(f"{at}: {CONFIG} is not a JSON object")
     weights = path / WEIGHTS
     sha = body.sha256 or (file_sha256(weights) if weights.is_file() else "")
     targets = config.get("target_modules")
+    rank = config.get("r", -1)
     return AdapterSource(
         specialist=body.lora_name,
         path=path,
         sha256=sha,
-        rank=int(config.get("r", -1)),
-        target_modules=tuple(targets) if isinstance(targets, list) else (),
+        rank=rank if type(rank) is int else -1,  # anything else is refused by check_adapter_files
+        target_modules=tuple(map(str, targets)) if isinstance(targets, list) else (),
         base_model_id=body.base_model_id,
     )

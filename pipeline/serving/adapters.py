@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RatchetError
+from pipeline.serving.adapter_weights import check_weights_header
 from pipeline.spec import file_sha256
 
 log = logging.getLogger(__name__)
@@ -91,18 +92,27 @@ def check_adapter_files(
         )
     try:
         config = json.loads((path / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RatchetError(f"{at}: unreadable {CONFIG}: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RatchetError(f"{at}: unreadable {CONFIG}: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(config, dict):
+        raise RatchetError(f"{at}: {CONFIG} is not a JSON object")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise RatchetError(f"{at}: peft_type is {config.get('peft_type')!r}, expected LORA")
-    if int(config.get("r", -1)) != src.rank:
-        raise RatchetError(f"{at}: rank r={config.get('r')} but the registry says {src.rank}")
-    ranks = [src.rank, *(int(r) for r in (config.get("rank_pattern") or {}).values())]
+    try:
+        rank = int(config.get("r", -1))
+        ranks = [src.rank, *(int(r) for r in (config.get("rank_pattern") or {}).values())]
+    except (TypeError, ValueError, AttributeError):
+        raise RatchetError(f"{at}: {CONFIG}'s r or rank_pattern is not a whole number") from None
+    if rank != src.rank:
+        raise RatchetError(f"{at}: rank r={rank} but the registry says {src.rank}")
     if max_rank is not None and max(ranks) > max_rank:
         raise RatchetError(
             f"{at}: rank {max(ranks)} is above this server's maximum of {max_rank} (--max-lora-rank)"
         )
+    check_weights_header(weights, ranks, at)
     targets = config.get("target_modules")
+    if isinstance(targets, list) and not all(isinstance(t, str) for t in targets):
+        raise RatchetError(f"{at}: {CONFIG}'s target_modules is not a list of module names")
     if isinstance(targets, list) and set(targets) != set(src.target_modules):
         raise RatchetError(
             f"{at}: target modules {sorted(targets)} but the registry says {sorted(src.target_modules)}"
@@ -126,7 +136,11 @@ def read_weights(src: AdapterSource, sha256: str) -> dict[str, Any]:
         raise RatchetError(
             f"{where(src)}: sha256 {actual[:12]} is no longer the {sha256[:12]} checked at load (file changed?)"
         )
-    return load(data)
+    try:
+        return load(data)
+    except Exception as exc:  # safetensors' own error type (or an OverflowError) for a corrupt file
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise RatchetError(f"{where(src)}: {WEIGHTS} is not a valid safetensors file ({why})") from None
 
 
 def attach(model: Any, name: str, src: AdapterSource, config: dict, state: dict[str, Any]) -> Any:
@@ -135,12 +149,18 @@ def attach(model: Any, name: str, src: AdapterSource, config: dict, state: dict[
     from peft import LoraConfig, PeftModel, set_peft_model_state_dict
 
     known = set(LoraConfig.__dataclass_fields__)
-    cfg = LoraConfig(**{k: v for k, v in config.items() if k in known})
-    cfg.inference_mode = True
-    if isinstance(model, PeftModel):
-        model.add_adapter(name, cfg)
-    else:
-        model = PeftModel(model, cfg, adapter_name=name)
+    try:
+        cfg = LoraConfig(**{k: v for k, v in config.items() if k in known})
+        cfg.inference_mode = True
+        if isinstance(model, PeftModel):
+            model.add_adapter(name, cfg)
+        else:
+            model = PeftModel(model, cfg, adapter_name=name)
+    except (TypeError, ValueError) as exc:  # peft refusing the config's values
+        if isinstance(model, PeftModel) and name in model.peft_config:
+            model.delete_adapter(name)
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise RatchetError(f"{where(src)}: {CONFIG} is not a LoRA config peft takes ({why})") from None
     try:
         _load_state(model, name, src, state, set_peft_model_state_dict)
     except RatchetError:

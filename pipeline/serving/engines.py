@@ -222,6 +222,8 @@ class ExternalEngine:
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if isinstance(chunk.get("error"), dict):  # an OpenAI error event (e.g. the adapter unloaded)
+                    raise RuntimeError(f"external engine: {str(chunk['error'].get('message'))[:300]}")
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}

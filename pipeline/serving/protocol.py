@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.toolcalls import tools_problem
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -138,6 +140,8 @@ class ChatRequest(BaseModel):
     def _metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None and len(json.dumps(value, default=str)) > MAX_METADATA_BYTES:
             raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
+        if value is not None and (problem := tools_problem(value.get("tools"))):  # what training is given
+            raise ValueError(f"tools{'' if problem.startswith('[') else ': '}{problem}")
         return value
 
     @field_validator("messages")
@@ -166,12 +170,53 @@ class ChatRequest(BaseModel):
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
 
+MAX_INT_DIGITS = 4300  # Python's own limit for int(str) (sys.get_int_max_str_digits): beyond it int() raises
+MAX_JSON_DEPTH = 64  # arrays and objects nested in a request body; a chat request needs a handful
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:  # checked before int() does the quadratic conversion
+        raise _TooManyDigits(text)
+    return int(text)
+
+
+def json_depth(data: Any) -> int:
+    """How deep arrays and objects nest in ``data`` (iteratively: any depth is safe to measure)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def too_deep() -> ApiError:
+    return ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Decode and validate a JSON body, raising ``ApiError`` (400) with the first problem."""
+    """Decode and validate a JSON body, raising ``ApiError`` (400) with the first problem: hostile JSON
+    (an integer of more than ``MAX_INT_DIGITS`` digits, nesting deeper than ``MAX_JSON_DEPTH``) is one more
+    problem, never a 500."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except _TooManyDigits:
+        raise ApiError(
+            400, f"request body has an integer of more than {MAX_INT_DIGITS} digits", code="invalid_json"
+        ) from None
+    except RecursionError:  # the decoder's own recursion bound, far beyond MAX_JSON_DEPTH
+        raise too_deep() from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep()
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     try:

@@ -52,6 +52,31 @@ class ServeConfig:
     max_lora_rank: int = 64  # adapters of a higher rank are refused when loaded
     # Adapters kept attached at once (least recently used evicted, attached again on demand); 0: all.
     max_loaded_adapters: int = 0
+    # Directories besides the artifact store that --expose-adapters' /v1/load_lora_adapter loads from
+    # (any other path is refused, 400).
+    adapter_roots: tuple[str, ...] = ()
+    # Slow and hostile clients (issue 22); 0 turns each off. A request's headers must arrive within
+    # header_timeout_s of the connection (or of the previous answer on a kept-alive one), its body within
+    # body_timeout_s in all and with no gap of body_idle_s: else 408 and the connection is closed. Chat
+    # turns are admitted only once their body is in, so a slow client holds no turn's place.
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    body_idle_s: float = 15.0
+    # Open connections of one client address (one more: 429 and closed; behind a reverse proxy every client
+    # shares its address) and requests in flight per API key (one more: 429 before its body is read).
+    max_connections_per_client: int = 1024
+    max_requests_per_key: int = 256
+    # POST /v1/feedback at once (each holds a body and may score its turn again; one more: 429), and how
+    # long re-scoring one turn may take: a scoring still running then is stored as not verified.
+    max_feedback: int = 8
+    rescore_timeout_s: float = 10.0
+    # Served turns not in the registry yet (a registry outage or lock) are kept in the write-ahead spool
+    # (``pipeline.serving.spool``, and in memory) up to this many bytes; past it new chat turns get 503
+    # with Retry-After instead of being answered and lost. 0: no limit.
+    spool_max_bytes: int = 64 << 20
+    spool_dir: str | None = None  # None: <home>/spool/<registry key>
+    # False: turns wait for the registry in memory only (a crash or a kill loses them); benchmarks compare.
+    spool: bool = True
 
     def follows_champion(self) -> bool:
         return self.generation == "champion"

@@ -14,9 +14,13 @@
   What a turn's client attaches as verification material counts only with ``certify`` (else it is kept as
   ``claimed``); a rating counts only with ``rate``, a correction only with ``correct`` (else both are kept
   under ``feedback.claimed``, shown and never scored).
-- Limits (``pipeline.serving.limits``): a body over ``max_body_bytes`` is refused while it is read (413);
-  beyond ``max_queue`` turns in flight a request gets 429 (503 while stopping or loading a generation)
-  with ``Retry-After``; a turn past ``request_timeout_s`` is stopped (504, or an error event ending the
+- Limits (``pipeline.serving.limits``): a body over ``max_body_bytes`` is refused while it is read (413),
+  one slower than ``body_timeout_s`` / ``body_idle_s`` too (408, as are headers slower than
+  ``header_timeout_s``); a chat turn is admitted once its body is in, and beyond ``max_queue`` turns in
+  flight it gets 429 (503 while stopping or loading a generation) with ``Retry-After``, as does a request
+  beyond ``max_requests_per_key`` of its key or ``max_feedback`` feedback requests (re-scoring a turn is
+  bounded by ``rescore_timeout_s``; regular expressions run on RE2: nothing a client sends stalls the
+  others); a turn past ``request_timeout_s`` is stopped (504, or an error event ending the
   stream); a client that disconnects has its row dropped from the batch. Both stopped turns are recorded
   with what was produced until then.
 """
@@ -34,12 +38,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
 from pipeline.principals import SCOPES, Principal, parse_scopes
 from pipeline.serving.access import Access
-from pipeline.serving.limits import read_body, watch_disconnect
+from pipeline.serving.limits import Admission, KeyLimit, read_body, watch_disconnect
 from pipeline.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -139,14 +144,25 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.state.ratchet = state
     app.state.access = access
     install_error_handlers(app)
+    app.add_middleware(KeyLimit, limit=config.max_requests_per_key)  # 429 before a busy key's body is read
+    feedbacks = Admission(config.max_feedback, option="--max-feedback")  # bodies held, turns re-scored
+
+    async def body_of(request: Request) -> bytes:
+        return await read_body(
+            request, config.max_body_bytes, timeout_s=config.body_timeout_s, idle_s=config.body_idle_s
+        )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        spool = _spool_health(state)
         return {
-            "status": "ok",
+            # degraded (still HTTP 200: the server answers, and keeps what it answered): the registry is
+            # not taking served turns (writes failing, or the oldest unstored one waiting too long)
+            "status": "degraded" if spool["degraded"] else "ok",
             "generation": state.current.number if state.current else None,
             "in_flight": state.admission.inflight,  # chat turns admitted and still decoding
             "refused": state.admission.refused,  # 429 / 503 answers since the start
+            "spool": spool,
         }
 
     @app.get("/v1/models")
@@ -180,7 +196,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/admin/keys", response_model=KeyInfo)
     async def create_key(request: Request) -> KeyInfo:
         who = await access.require(request, "admin")
-        body = parse_body(await read_body(request, config.max_body_bytes), KeyRequest)
+        body = parse_body(await body_of(request), KeyRequest)
         try:
             return await asyncio.to_thread(_create_key, state.db, body, who.name)
         except RatchetError as exc:
@@ -201,36 +217,52 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.post("/v1/feedback", response_model=FeedbackResponse)
     async def feedback(request: Request) -> FeedbackResponse:
         who = await access.require(request, "chat")
-        body = parse_body(await read_body(request, config.max_body_bytes), FeedbackRequest)
+        slot = feedbacks.admit()  # before the body: at most --max-feedback bodies held at once
+        try:
+            return await handle_feedback(request, who)
+        finally:
+            slot.release()
+
+    async def handle_feedback(request: Request, who: Principal) -> FeedbackResponse:
+        body = parse_body(await body_of(request), FeedbackRequest)
         if body.rating is None and body.correction is None:
             raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
         task = state.pending.get(body.completion_id)
         if task is not None:
             await asyncio.wait([task], timeout=30)
+        counted = await _spool_feedback(state, body, who)  # durable from here on
         assert state.recorder is not None
-        await asyncio.to_thread(state.recorder.flush)
-        try:
-            counted, rescored = await asyncio.to_thread(_attach, state.db, body, who)
-        except NotFoundError as exc:
-            raise ApiError(404, str(exc), param="completion_id", code="not_found") from None
-        except RatchetError as exc:
-            raise ApiError(400, str(exc)) from None
+        if not await asyncio.to_thread(state.recorder.flush) and any(counted.values()):
+            raise ApiError(
+                503,
+                "the feedback is kept and will be stored, but the registry is not taking writes now and the "
+                "turn could not be scored again: send it again later to have it re-scored",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        rescored = (
+            await asyncio.to_thread(_rescore, state.db, body.completion_id, config.rescore_timeout_s)
+            if any(counted.values())
+            else 0
+        )
         return FeedbackResponse(completion_id=body.completion_id, counted=counted, rescored=rescored)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         who = await access.require(request, "chat")  # before admission: an unknown client takes no slot
         started = time.perf_counter()
-        slot = state.admit()  # refused at once when full, before the body is read
+        # Admitted once the body is in (read with its timeouts): a client trickling a body holds no place.
+        req = parse_body(await body_of(request), ChatRequest)
+        if req.model != config.model_name:
+            raise ApiError(
+                404,
+                f"model {req.model!r} does not exist: this server serves {config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        slot = state.admit()  # refused at once when full
         try:
-            req = parse_body(await read_body(request, config.max_body_bytes), ChatRequest)
-            if req.model != config.model_name:
-                raise ApiError(
-                    404,
-                    f"model {req.model!r} does not exist: this server serves {config.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
             turn = dataclasses.replace(await state.prepare(req, started=started, slot=slot), principal=who)
         except BaseException:
             slot.release()
@@ -270,32 +302,95 @@ def create_app(config: ServeConfig) -> FastAPI:
     return app
 
 
-def _attach(db: Any, body: FeedbackRequest, who: Principal) -> tuple[dict[str, bool], int]:
-    """Attach the feedback as ``who`` may (``registry.attach_feedback``); when any of it counts, score the turn
-    again under every contract version that scored it (the old scores stay in the history): a rating or
-    correction that arrives late still counts. What does not count changes no score and runs no scorer.
-    Returns what counted and how many contract versions re-scored the turn."""
-    from pipeline.registry import attach_feedback, session_scope
+async def _spool_feedback(state: ServerState, body: FeedbackRequest, who: Principal) -> dict[str, bool]:
+    """Put the feedback in the spool (``registry.attach_feedback`` stores it as ``who`` may: what does not
+    count is kept under ``feedback.claimed``); returns, per field sent, whether it counts. A completion id
+    neither waiting in the spool nor stored is the client's 404."""
+    recorder = state.recorder
+    assert recorder is not None
+    if not recorder.holds(body.completion_id):
+        try:
+            known = await asyncio.to_thread(_served_turn_stored, state.db, body.completion_id)
+        except SQLAlchemyError:
+            raise ApiError(
+                503, "the registry is unavailable; retry shortly", type="server_error",
+                code="service_unavailable", headers={"Retry-After": "5"},
+            ) from None  # fmt: skip
+        if not known:
+            raise ApiError(
+                404,
+                f"no served completion with id {body.completion_id!r}",
+                param="completion_id",
+                code="not_found",
+            )
+    may = {"rating": who.may("rate"), "correction": who.may("correct")}
+    counted = {
+        f: may[f]
+        for f, value in (("rating", body.rating), ("correction", body.correction))
+        if value is not None
+    }
+    try:
+        await recorder.record_feedback(
+            completion_id=body.completion_id, rating=body.rating, correction=body.correction, principal=who.name,
+            may_rate=may["rating"], may_correct=may["correction"],
+        )  # fmt: skip
+    except OSError:
+        raise ApiError(
+            503, "the server could not store the feedback; retry shortly", type="server_error",
+            code="service_unavailable", headers={"Retry-After": "5"},
+        ) from None  # fmt: skip
+    return counted
+
+
+def _served_turn_stored(db: Any, completion_id: str) -> bool:
+    from sqlalchemy import select
+
+    from pipeline.registry import Experience, session_scope
+
+    with session_scope(db) as session:
+        return (
+            session.scalar(select(Experience.id).where(Experience.completion_id == completion_id)) is not None
+        )
+
+
+def _rescore(db: Any, completion_id: str, timeout_s: float) -> int:
+    """Score the turn again under every contract version that scored it (the old scores stay in the
+    history): a rating or correction that arrives late still counts. Returns how many re-scored it. Runs in a
+    thread; a scoring still running after ``timeout_s`` is stored as not verified (``rescore_experience``)."""
+    from sqlalchemy import select
+
+    from pipeline.registry import Experience, session_scope
     from pipeline.scoring import rescore_experience
 
     with session_scope(db) as session:
-        row, counted = attach_feedback(
-            session=session,
-            completion_id=body.completion_id,
-            rating=body.rating,
-            correction=body.correction,
-            principal=who.name,
-            may_rate=who.may("rate"),
-            may_correct=who.may("correct"),
-        )
-        experience_id = row.id
-    if not any(counted.values()):
-        return counted, 0
-    with session_scope(db) as session:
+        experience_id = session.scalar(select(Experience.id).where(Experience.completion_id == completion_id))
+        if experience_id is None:
+            return 0
         done = rescore_experience(
-            session=session, experience_ids=[experience_id], reason="feedback arrived after scoring"
+            session=session,
+            experience_ids=[experience_id],
+            reason="feedback arrived after scoring",
+            timeout_s=timeout_s,
         )
-    return counted, len(done)
+    return len(done)
+
+
+def _spool_health(state: ServerState) -> dict[str, Any]:
+    """What waits to be stored: turns, records and bytes not in the registry yet, the oldest one's age,
+    the registry writes failed in a row and the last error; ``degraded`` when they fail, when the oldest
+    waits more than 10 s (a write blocked on a lock), or when the spool is full."""
+    recorder = state.recorder
+    if recorder is None:
+        return {"degraded": False}
+    depth = recorder.depth()
+    return {
+        **depth,
+        "max_bytes": state.config.spool_max_bytes,
+        "durable": recorder.spool is not None,
+        "failures": recorder.failures,
+        "last_error": recorder.last_error,
+        "degraded": bool(recorder.failures or recorder.full() or depth["oldest_s"] > 10),
+    }
 
 
 def _key_info(row: Any, value: str | None = None) -> KeyInfo:

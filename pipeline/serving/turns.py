@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -25,6 +27,7 @@ from jinja2 import TemplateError
 from pipeline.errors import RatchetError
 from pipeline.harness import DecodingParams
 from pipeline.principals import ANONYMOUS_PRINCIPAL, Principal
+from pipeline.registry import TraceRow
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
 from pipeline.serving.limits import Admission, Slot
 from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
@@ -105,7 +108,13 @@ class ServerState:
         from pipeline.registry import get_engine
 
         self.db = await asyncio.to_thread(get_engine, cfg.registry_url or _default_url())
-        self.recorder = ExperienceRecorder(self.db, flush_seconds=cfg.flush_seconds)
+        self.recorder = await asyncio.to_thread(
+            ExperienceRecorder,
+            self.db,
+            spool_dir=spool_dir(cfg) if cfg.spool else None,
+            max_bytes=cfg.spool_max_bytes,
+            flush_seconds=cfg.flush_seconds,
+        )
         plan = await asyncio.to_thread(plan_generation, self.db, cfg.lineage, cfg.generation)
         self.current = await asyncio.to_thread(load_served, plan, cfg, self.scheduler)
         if cfg.engine == "external":
@@ -117,9 +126,19 @@ class ServerState:
             self.poller = asyncio.get_running_loop().create_task(self._poll(), name="champion-poller")
 
     def admit(self) -> Slot:
-        """Admit one chat turn, or refuse it at once (``limits.Admission``)."""
+        """Admit one chat turn, or refuse it at once (``limits.Admission``; 503 while the spool is full)."""
         stats = self.scheduler.stats
         per_turn = stats.busy_seconds / stats.rows if stats.rows else 1.0
+        if self.recorder is not None and self.recorder.full():
+            self.admission.refused += 1
+            raise ApiError(
+                503,
+                f"the registry is not taking served turns and {self.config.spool_max_bytes} bytes wait in "
+                "the spool (--spool-max-bytes); retry later",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "5"},
+            )
         return self.admission.admit(busy=self.busy, seconds_per_turn=per_turn)
 
     async def stop(self) -> None:
@@ -319,7 +338,7 @@ class ServerState:
             if turn.slot is not None:
                 turn.slot.release()
         message, finish = self.answer_message(turn, result)
-        self.finish_turn(turn, message, result)
+        await self.finish_turn(turn, message, result)  # durable before the client gets it
         return message, finish, result
 
     def time_left(self, turn: ChatTurn) -> float | None:
@@ -344,32 +363,65 @@ class ServerState:
         self.pending[key] = task
         task.add_done_callback(lambda _t: self.pending.pop(key, None))
 
-    def finish_turn(self, turn: ChatTurn, message: dict, result: EngineResult) -> None:
+    async def finish_turn(self, turn: ChatTurn, message: dict, result: EngineResult) -> None:
+        """Record the turn with its extractive summary; returns once it is in the spool (the client is
+        answered after that). A model-written summary (``other_specialists: summary``) follows later, as
+        its own spooled record the writer applies to the stored row."""
         latency_ms = round((time.perf_counter() - turn.started) * 1000, 2)
-        if result.finish_reason not in STOPPED:  # a stopped reply never reached the client
-            self.memory.remember(message, TurnRecord(turn.decision.specialist, extract_summary(message)))
-        task = asyncio.get_running_loop().create_task(
-            self._summarize_and_record(turn, message, result, latency_ms)
-        )
-        self.track(turn.cid, task)
-
-    async def _summarize_and_record(
-        self, turn: ChatTurn, message: dict, result: EngineResult, latency_ms: float
-    ) -> None:
-        served, decision, messages, cid = turn.served, turn.decision, turn.messages, turn.cid
         summary = extract_summary(message)
         stopped = result.finish_reason in STOPPED
+        if not stopped:  # a stopped reply never reached the client
+            self.memory.remember(message, TurnRecord(turn.decision.specialist, summary))
+        row = self.trace_row(turn, message, result, latency_ms, summary)
+        assert self.recorder is not None
+        try:
+            await self.recorder.record(row)
+        except OSError as exc:  # not durable: the client must not believe it was answered
+            log.error("turn %s could not be spooled: %s", turn.cid, exc)
+            raise ApiError(
+                503,
+                "the server could not store this turn; retry shortly",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         if (
-            served.harness.context.other_specialists == "summary"
+            turn.served.harness.context.other_specialists == "summary"
             and not message.get("tool_calls")
             and not stopped
         ):
-            try:
-                summary = await self._summarize(served, turn.ereq, message) or summary
-            except Exception:
-                log.exception("summary of %s failed; keeping the extractive one", cid)
-        if not stopped:
-            self.memory.remember(message, TurnRecord(decision.specialist, summary))
+            task = asyncio.get_running_loop().create_task(self._summarize_later(turn, message, summary))
+            self.track(turn.cid, task)
+
+    async def _summarize_later(self, turn: ChatTurn, message: dict, extractive: str) -> None:
+        """The model-written summary of the reply: remembered for later views, and spooled as a follow-up
+        of the turn's record."""
+        try:
+            summary = await self._summarize(turn.served, turn.ereq, message)
+        except Exception:
+            log.exception("summary of %s failed; keeping the extractive one", turn.cid)
+            return
+        if not summary or summary == extractive:
+            return
+        self.memory.remember(message, TurnRecord(turn.decision.specialist, summary))
+        assert self.recorder is not None
+        try:
+            await self.recorder.record_summary(
+                completion_id=turn.cid, index=len(turn.messages), summary=summary
+            )
+        except OSError as exc:
+            log.error(
+                "the summary of %s could not be spooled (its turn keeps the extractive one): %s",
+                turn.cid,
+                exc,
+            )
+
+    def trace_row(
+        self, turn: ChatTurn, message: dict, result: EngineResult, latency_ms: float, summary: str
+    ) -> TraceRow:
+        """The turn's experience row (``recorder.served_trace_row``)."""
+        served, decision, messages, cid = turn.served, turn.decision, turn.messages, turn.cid
+        stopped = result.finish_reason in STOPPED
         routes, summaries = [], {}
         for i, m in enumerate(messages):
             rec = self.memory.lookup(m) if m.get("role") == "assistant" else None
@@ -414,8 +466,7 @@ class ServerState:
             harness_version_id=served.harness_version_id,
             principal=turn.principal.name,
         )
-        assert self.recorder is not None
-        self.recorder.record(row)
+        return row
 
     async def _summarize(self, served: Served, ereq: EngineRequest, message: dict) -> str:
         budget = (served.engine.context_limit or 10**9) - self.config.summary_tokens
@@ -426,6 +477,17 @@ class ServerState:
             return ""
         r = await complete(served.engine, EngineRequest(ereq.specialist, prompt, self.config.summary_tokens))
         return " ".join(r.text.split())
+
+
+def spool_dir(config: ServeConfig) -> Path:
+    """``config.spool_dir``, or ``<home>/spool/<first 16 hex of sha256(registry URL)>``: one spool per
+    registry, so a home shared by two registries never replays one's turns into the other."""
+    if config.spool_dir:
+        return Path(config.spool_dir)
+    from pipeline.settings import get_settings
+
+    url = config.registry_url or _default_url()
+    return get_settings().ensure_home() / "spool" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _default_url() -> str:

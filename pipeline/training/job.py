@@ -15,7 +15,9 @@ calling ``train_lora`` again with the same ``output_dir`` resumes from the newes
 the adapter is saved with peft's ``save_pretrained`` (``adapter_config.json`` +
 ``adapter_model.safetensors``) beside a ``lineage.json``, all written under a temporary name and renamed
 into place only when complete (``artifacts.atomic_directory``), so a full or read-only store fails the job
-with an ``ArtifactStoreError`` and never leaves half an adapter; then the checkpoints are deleted.
+with an ``ArtifactStoreError`` and never leaves half an adapter; then the checkpoints are deleted -- or, for
+the training step's jobs (``keep_checkpoints``), kept with the finished result beside them until the registry
+has the adapter, so that a step failing in between reuses the job (``finished_before``) and its MLflow run.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import logging
 import math
 import os
 import random
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
 from pipeline.spec import content_hash, weights_sha256
@@ -126,10 +129,14 @@ def dataset_sha256(rows: list[dict[str, Any]]) -> str:
 
 
 def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
-    """Save the ``messages`` of ``traces`` as a ``datasets`` dataset (``save_to_disk``); return its hash."""
+    """Save the ``messages`` of ``traces`` as a ``datasets`` dataset (``save_to_disk``); return its hash.
+    Tool-call arguments are written as JSON text (``toolcalls.normalize_tool_calls``): an object beside text
+    would give the column no type."""
     from datasets import Dataset
 
-    rows = [{"messages": t["messages"]} for t in traces]
+    from pipeline.toolcalls import normalize_tool_calls
+
+    rows = [{"messages": normalize_tool_calls(t["messages"])} for t in traces]
     if not rows:
         raise RatchetError(f"{dataset_dir}: no traces to write (a training set needs at least one)")
     Dataset.from_list(rows).save_to_disk(str(dataset_dir))
@@ -149,6 +156,20 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
 
 MAX_SEQ_LEN_DEFAULT = 2048
 NO_TARGET = "no assistant turn"  # a row with nothing to train on
+UNENCODABLE = "cannot be encoded"  # the template or tokenizer refuses its data (tools that are no schema)
+# What encoding one row may raise because of that row's data: ``templating.RowSkipped`` (a ValueError, with
+# its reason), a chat template's error, transformers' ValueError for tools it cannot read, a TypeError from a
+# field of an unexpected type. The row is left out and counted by reason; the job goes on.
+ROW_ERRORS = (ValueError, TypeError, TemplateError)
+
+
+def skip_reason(exc: BaseException) -> str:
+    """The reason a row that raised one of ``ROW_ERRORS`` is counted under."""
+    from pipeline.templating import TEMPLATE_ERROR, RowSkipped
+
+    if isinstance(exc, RowSkipped):
+        return exc.reason
+    return TEMPLATE_ERROR if isinstance(exc, TemplateError) else UNENCODABLE
 
 
 def encode_rows(
@@ -158,16 +179,17 @@ def encode_rows(
     oldest context cut to fit ``max_len``, never the target's end), and the rows left out by reason -- the
     chat template refuses the row, it does not fit, the template rewrites the trained turn, nothing to train
     on. A job never stops on one row."""
-    from pipeline.templating import RowSkipped, encode_chat
+    from pipeline.templating import encode_chat
 
     examples, dropped = [], {}
     for r in rows:
         try:
             tools = json.loads(r.get("tools") or "[]") or None
             ids, labels = encode_chat(tokenizer, r["messages"], max_len, fmt=fmt, tools=tools)
-        except RowSkipped as exc:
+        except ROW_ERRORS as exc:
             log.warning("%s: a row is left out: %s", where, exc)
-            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+            reason = skip_reason(exc)
+            dropped[reason] = dropped.get(reason, 0) + 1
             continue
         if not any(label != -100 for label in labels):
             dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1
@@ -184,6 +206,32 @@ def log_dropped(tracker: Any, dropped: dict[str, int], step: int = 0) -> None:
     """Record the rows left out, by reason, in the job's MLflow run (``rows_dropped_<reason>``)."""
     for reason, n in sorted(dropped.items()):
         tracker.log_metric(f"rows_dropped_{reason.replace(' ', '_')}", float(n), step=step)
+
+
+def finished_before(ckpt_root: Path, *, job_key: str) -> TrainResult | None:
+    """The result of this job when it finished before and the training step has not committed it yet
+    (``checkpoint.finished_result``): nothing is trained again and no second MLflow run is opened."""
+    from pipeline.training.checkpoint import finished_result
+
+    done = finished_result(ckpt_root, job_key=job_key)
+    if done is None:
+        return None
+    return TrainResult(**{**done, "adapter_dir": Path(done["adapter_dir"]),
+                          "loss_curve": tuple(tuple(p) for p in done["loss_curve"])})  # fmt: skip
+
+
+def finish(ckpt_root: Path, *, job_key: str, result: TrainResult, keep: bool) -> TrainResult:
+    """A job's end: its checkpoints are deleted, or, with ``keep`` (the training step's jobs, until the
+    registry has the adapter), kept with the result recorded beside them (``checkpoint.record_finished``)."""
+    from pipeline.training.checkpoint import discard, record_finished
+
+    if keep:
+        record_finished(
+            ckpt_root, job_key=job_key, result={**asdict(result), "adapter_dir": str(result.adapter_dir)}
+        )
+    else:
+        discard(ckpt_root)
+    return result
 
 
 def sequence_limit(base_model_dir: Path) -> int:
@@ -206,6 +254,7 @@ def train_lora(
     stop_after_steps: int | None = None,
     where: Placement | None = None,
     tokenizer_dir: Path | None = None,
+    keep_checkpoints: bool = False,
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter; return where it was saved and how training went.
 
@@ -268,6 +317,8 @@ def train_lora(
     job_key = content_hash({"config": asdict(config), "data": data_hash, "parent": str(parent_adapter_dir)})
 
     ckpt_root = output_dir / "checkpoint"
+    if (done := finished_before(ckpt_root, job_key=job_key)) is not None:
+        return done  # it finished, then its registry commit failed: no step is trained again, no second run
     start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
 
     # ---- train -------------------------------------------------------------------------------------
@@ -341,7 +392,18 @@ def train_lora(
             tracker.log_metric("tokens_per_second", tokens / max(seconds, 1e-9), step=total)
 
     # ---- clean up ----------------------------------------------------------------------------------
-    shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim
-    return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
-                       len(examples), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip
+    result = TrainResult(
+        adapter_dir,
+        adapter_sha,
+        total,
+        loss_value,
+        tokens / max(seconds, 1e-9),
+        start,
+        len(examples),
+        seconds,
+        run_id,
+        loss_curve=tuple(curve),
+        dropped=dropped,
+    )
+    return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +69,7 @@ def train_dpo(
     stop_after_steps: int | None = None,
     where: Placement | None = None,
     tokenizer_dir: Path | None = None,
+    keep_checkpoints: bool = False,
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter on preference pairs; return where it was saved and how it went.
 
@@ -83,17 +83,21 @@ def train_dpo(
     from transformers import AutoTokenizer
 
     from pipeline.placement import placement
-    from pipeline.templating import IGNORE, RowSkipped, encode_chat
+    from pipeline.templating import IGNORE, encode_chat
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
     from pipeline.training.job import (
         LOSS_POINTS,
         NO_TARGET,
+        ROW_ERRORS,
         TrainResult,
         batch_indices,
+        finish,
+        finished_before,
         git_describe,
         log_dropped,
         sequence_limit,
+        skip_reason,
     )
     from pipeline.training.kernels import merged_lora
     from pipeline.training.likelihood import optimizer, policy_model, reference_model, sequence_logprobs
@@ -117,13 +121,14 @@ def train_dpo(
     max_len = max_seq_len or sequence_limit(base_model_dir)
     pairs, dropped = [], {}
     for r in rows:
-        tools = json.loads(r.get("tools") or "[]") or None
         try:  # each side cut to fit on its own (never its reply); a side that cannot be encoded drops the pair
+            tools = json.loads(r.get("tools") or "[]") or None
             chosen = encode_chat(tokenizer, r["messages"], max_len, fmt=tool_call_format, tools=tools)
             rejected = encode_chat(tokenizer, r["rejected"], max_len, fmt=tool_call_format, tools=tools)
-        except RowSkipped as exc:  # the template refuses it, it does not fit, it rewrites the reply
+        except ROW_ERRORS as exc:  # the template refuses it, it does not fit, it rewrites the reply, ...
             log.warning("%s: a pair is left out: %s", dataset_dir, exc)
-            dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+            reason = skip_reason(exc)
+            dropped[reason] = dropped.get(reason, 0) + 1
             continue
         if all(label == IGNORE for label in chosen[1]) or all(label == IGNORE for label in rejected[1]):
             dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1  # nothing to compare
@@ -181,6 +186,8 @@ def train_dpo(
         }  # fmt: skip
     )
     ckpt_root = output_dir / "checkpoint"
+    if (done := finished_before(ckpt_root, job_key=job_key)) is not None:
+        return done  # it finished, then its registry commit failed: no step is trained again, no second run
     start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
 
     # ---- train -------------------------------------------------------------------------------------
@@ -263,10 +270,21 @@ def train_dpo(
         )
 
     # ---- clean up ----------------------------------------------------------------------------------
-    shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim
-    return TrainResult(adapter_dir, adapter_sha, total, loss_value, tokens / max(seconds, 1e-9), start,
-                       len(pairs), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip
+    result = TrainResult(
+        adapter_dir,
+        adapter_sha,
+        total,
+        loss_value,
+        tokens / max(seconds, 1e-9),
+        start,
+        len(pairs),
+        seconds,
+        run_id,
+        loss_curve=tuple(curve),
+        dropped=dropped,
+    )
+    return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)
 
 
 def pairs_sha256(rows: list[dict[str, Any]]) -> str:

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 import zlib
 from collections.abc import Callable
@@ -96,6 +95,7 @@ def train_grpo(
     stop_after_steps: int | None = None,
     where: Placement | None = None,
     tokenizer_dir: Path | None = None,
+    keep_checkpoints: bool = False,
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter with GRPO on ``episodes``; return where it was saved and how it went
     (``final_loss`` and the curve are the mean reward of each step's rollouts).
@@ -108,16 +108,19 @@ def train_grpo(
     from transformers import AutoTokenizer
 
     from pipeline.placement import placement
-    from pipeline.templating import RowSkipped
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
     from pipeline.training.job import (
         LOSS_POINTS,
+        ROW_ERRORS,
         TrainResult,
         batch_indices,
+        finish,
+        finished_before,
         git_describe,
         log_dropped,
         sequence_limit,
+        skip_reason,
     )
     from pipeline.training.kernels import merged_lora
     from pipeline.training.likelihood import (
@@ -174,6 +177,8 @@ def train_grpo(
         }  # fmt: skip
     )
     ckpt_root = output_dir / "checkpoint"
+    if (done := finished_before(ckpt_root, job_key=job_key)) is not None:
+        return done  # it finished, then its registry commit failed: no step is trained again, no second run
     start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
 
     # ---- train -------------------------------------------------------------------------------------
@@ -222,9 +227,10 @@ def train_grpo(
                 try:
                     ids, labels = encode_episode(tokenizer, view, max_len, fmt=tool_call_format,
                                                  tools=tools or None, turns=written[i])  # fmt: skip
-                except RowSkipped as exc:  # the template refuses it, it does not fit, it rewrites a reply
+                except ROW_ERRORS as exc:  # the template refuses it, it does not fit, it rewrites a reply...
                     log.warning("an episode is left out of the update: %s", exc)
-                    dropped[exc.reason] = dropped.get(exc.reason, 0) + 1
+                    reason = skip_reason(exc)
+                    dropped[reason] = dropped.get(reason, 0) + 1
                     if tracker:
                         log_dropped(tracker, dropped, step=step)
                     continue
@@ -305,10 +311,21 @@ def train_grpo(
         )
 
     # ---- clean up ----------------------------------------------------------------------------------
-    shutil.rmtree(ckpt_root, ignore_errors=True)
     del model, optim, reference
-    return TrainResult(adapter_dir, adapter_sha, total, reward_mean, tokens / max(seconds, 1e-9), start,
-                       len(episodes.items), seconds, run_id, loss_curve=tuple(curve), dropped=dropped)  # fmt: skip
+    result = TrainResult(
+        adapter_dir,
+        adapter_sha,
+        total,
+        reward_mean,
+        tokens / max(seconds, 1e-9),
+        start,
+        len(episodes.items),
+        seconds,
+        run_id,
+        loss_curve=tuple(curve),
+        dropped=dropped,
+    )
+    return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)
 
 
 def paid_turns(

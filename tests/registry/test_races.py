@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from registry.adapter_files import stored_adapter
 from sqlalchemy import func, select
 
 from pipeline.errors import ConflictError
@@ -30,6 +31,7 @@ from pipeline.registry import (
     rollback_champion,
     session_scope,
 )
+from pipeline.settings import get_settings
 
 RATCHET = str(Path(sys.executable).parent / "ratchet")
 
@@ -80,6 +82,7 @@ def _run_together(targets) -> list[BaseException | None]:
 
 def test_sixteen_concurrent_adapter_versions_are_unique_and_gap_free(engine):
     base_id = _seed(engine, generations=1)
+    source = stored_adapter(get_settings().artifacts_dir / "chat")
 
     def bump():
         with session_scope(engine) as s:
@@ -90,8 +93,7 @@ def test_sixteen_concurrent_adapter_versions_are_unique_and_gap_free(engine):
                 rank=4,
                 alpha=8,
                 target_modules=["q_proj"],
-                artifact_uri="/a",
-                sha256="0" * 64,
+                **source,
             )
             time.sleep(0.01)  # hold the transaction open a moment, as a real save does
 
@@ -222,9 +224,8 @@ def test_mlflow_aliases_agree_with_the_registry_after_a_failure_between_the_two(
     engine = get_engine()
     _seed(engine)
     tracker = MLflowTracker(tracking_uri=store, artifact_root=home / "mlartifacts")
-    weights = tmp_path / "adapter"
-    weights.mkdir()
-    (weights / "adapter_config.json").write_text("{}")
+    weights = get_settings().artifacts_dir / "adapter"
+    source = stored_adapter(weights)
     name = registered_model_name("main", "chat")
     with session_scope(engine) as s:
         base_id = s.scalar(select(Generation.base_model_id))
@@ -234,7 +235,7 @@ def test_mlflow_aliases_agree_with_the_registry_after_a_failure_between_the_two(
                 version = tracker.register_adapter(name, run_id, "adapter")
             adapter = create_adapter(
                 session=s, specialist="chat", base_model_id=base_id, rank=4, alpha=8,
-                target_modules=["q_proj"], artifact_uri=str(weights), sha256="0" * 64,
+                target_modules=["q_proj"], **source,
             )  # fmt: skip
             adapter.mlflow_model_version = version
             gen = s.scalar(select(Generation).where(Generation.number == number))

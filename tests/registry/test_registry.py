@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from registry.adapter_files import stored_adapter
 from sqlalchemy import func, select
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
@@ -27,6 +28,7 @@ from pipeline.registry import (
     set_generation_adapter,
     set_generation_status,
 )
+from pipeline.settings import get_settings
 
 SPECIALISTS = ["chat", "agent"]
 
@@ -88,8 +90,7 @@ def test_generation_lifecycle_and_champion(engine):
             rank=8,
             alpha=16,
             target_modules=["q_proj"],
-            artifact_uri="/a/chat",
-            sha256="0" * 64,
+            **stored_adapter(get_settings().artifacts_dir / "chat"),
         )
         assert adapter.version == 1
         set_generation_adapter(session=s, generation=g1, specialist="chat", adapter_id=adapter.id)

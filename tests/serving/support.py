@@ -4,6 +4,7 @@ adapters (nonzero B, so each really changes the output), a harness, and a regist
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 SPECIALISTS = ("chat", "agent", "coding", "genui")
@@ -154,6 +155,8 @@ def register_generation(
         hv = register_harness(session=s, name=harness["name"], version=harness["version"], spec=harness)
         cv = register_contract(session=s, name="c", version="1", spec={"name": "c"})
         ids = {}
+        # the test's adapters live in pytest's temporary directories: that is their artifact store
+        store = Path(os.path.commonpath([artifacts["adapters"][sp] for sp in specialists]))
         for sp in specialists:
             path = artifacts["adapters"][sp]
             ids[sp] = create_adapter(
@@ -165,6 +168,7 @@ def register_generation(
                 target_modules=list(TARGETS),
                 artifact_uri=str(path),
                 sha256=file_sha256(path / "adapter_model.safetensors"),
+                artifact_root=store,
             ).id
         gen = create_generation(
             session=s,

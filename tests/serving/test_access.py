@@ -13,7 +13,9 @@ from pipeline.serving.server import create_app
 from serving.support import experience_rows
 
 ASK = {"model": "ratchet", "messages": [{"role": "user", "content": "12+35=?"}]}
-CLAIM = {"expected": "47", "tests": "assert True", "split": "train", "tools": [1]}
+# (tools well formed: malformed ones are refused with a 400 whoever sends them, tests/test_unstuck.py)
+CLAIM = {"expected": "47", "tests": "assert True", "split": "train",
+         "tools": [{"type": "function", "function": {"name": "transfer_funds"}}]}  # fmt: skip
 
 
 def _keys(url: str, **scopes: str) -> dict[str, str]:
@@ -217,3 +219,41 @@ def test_serving_off_loopback_without_any_key_is_refused(tmp_path, monkeypatch, 
     assert len(err.strip().splitlines()) == 1
     assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
+
+
+def _request(header: dict[str, str]):
+    from starlette.requests import Request
+
+    headers = [(k.lower().encode(), v.encode()) for k, v in header.items()]
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers})
+
+
+def test_a_registry_outage_keeps_the_keys_read_before_and_never_opens_to_anonymous(registry, tmp_path):
+    """Found while spooling (issue 22): during a registry outage the key refresh raised and requests got 500.
+    Now the keys read before keep working; a server that never read its keys answers 503 and never falls back
+    to serving anonymous clients (with no keys known, "no key exists" would have let anyone in)."""
+    import asyncio
+
+    from sqlalchemy import create_engine
+
+    from pipeline.registry import get_engine
+    from pipeline.serving.access import Access
+    from pipeline.serving.protocol import ApiError
+
+    crm = _keys(registry, crm="chat,certify")["crm"]
+    down = create_engine(f"sqlite:///{tmp_path / 'missing' / 'registry.db'}")  # cannot be opened
+    access = Access(db=get_engine(registry), refresh_s=0.0)
+
+    async def run() -> None:
+        assert (await access.principal(_request(crm))).name == "crm"
+        access.db = down
+        assert (await access.principal(_request(crm))).name == "crm"  # the keys read before
+        with pytest.raises(ApiError) as refused:
+            await access.principal(_request({}))
+        assert refused.value.status == 401  # keys exist: no key is still refused
+        cold = Access(db=down, refresh_s=0.0)
+        with pytest.raises(ApiError) as unavailable:
+            await cold.principal(_request({}))
+        assert unavailable.value.status == 503
+
+    asyncio.run(run())
