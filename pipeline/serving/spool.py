@@ -46,6 +46,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SUFFIX = ".spool"
+GROUP_COMMIT_S = 0.002  # how long the fsync thread gathers records before it writes them
 
 
 @dataclass(eq=False)
@@ -196,6 +197,11 @@ class Spool:
             with self._cond:
                 while not self._pending and not self._closed:
                     self._cond.wait()
+                # group commit window (PostgreSQL's commit_delay): the turns of one decoded batch finish one
+                # after another on the event loop; gathering them for a moment lets one fsync cover them all
+                deadline = time.monotonic() + GROUP_COMMIT_S
+                while not self._closed and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 batch, self._pending = self._pending, []
                 if not batch and self._closed:
                     return
