@@ -227,3 +227,18 @@ def experience_rows(url: str) -> list:
 
     with session_scope(get_engine(url)) as s:
         return list(s.scalars(select(Experience).order_by(Experience.id)))
+
+
+def api_keys(url: str, **scopes: str) -> dict[str, dict[str, str]]:
+    """Create one key per name with its comma-separated scopes; name -> its Authorization header."""
+    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.registry import create_api_key, get_engine, session_scope
+
+    out = {}
+    with session_scope(get_engine(url)) as session:
+        for name, scope in scopes.items():
+            _row, value = create_api_key(
+                session=session, name=name, scopes=parse_scopes(scope), actor=OPERATOR
+            )
+            out[name] = {"Authorization": f"Bearer {value}"}
+    return out

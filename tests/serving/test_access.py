@@ -10,27 +10,12 @@ from fastapi.testclient import TestClient
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import experience_rows
+from serving.support import api_keys, experience_rows
 
 ASK = {"model": "ratchet", "messages": [{"role": "user", "content": "12+35=?"}]}
 # (tools well formed: malformed ones are refused with a 400 whoever sends them, tests/test_unstuck.py)
 CLAIM = {"expected": "47", "tests": "assert True", "split": "train",
          "tools": [{"type": "function", "function": {"name": "transfer_funds"}}]}  # fmt: skip
-
-
-def _keys(url: str, **scopes: str) -> dict[str, str]:
-    """Create one key per name with its comma-separated scopes; name -> Authorization header."""
-    from pipeline.principals import OPERATOR, parse_scopes
-    from pipeline.registry import create_api_key, get_engine, session_scope
-
-    out = {}
-    with session_scope(get_engine(url)) as session:
-        for name, scope in scopes.items():
-            _row, value = create_api_key(
-                session=session, name=name, scopes=parse_scopes(scope), actor=OPERATOR
-            )
-            out[name] = {"Authorization": f"Bearer {value}"}
-    return out
 
 
 def _row(url: str, cid: str):
@@ -70,7 +55,7 @@ def test_an_anonymous_client_certifies_nothing(registry):
 def test_scoped_keys_certify_rate_and_correct(registry):
     """The same turn and feedback from keys the operator granted `certify`, `rate` and `correct` count, and
     each is stored with its principal."""
-    keys = _keys(registry, crm="chat,certify", raters="chat,rate", editors="chat,correct", plain="chat")
+    keys = api_keys(registry, crm="chat,certify", raters="chat,rate", editors="chat,correct", plain="chat")
     with _app(registry) as c:
         cid = c.post(
             "/v1/chat/completions", json={**ASK, "metadata": {"expected": "47"}}, headers=keys["crm"]
@@ -106,7 +91,7 @@ def test_scoped_keys_certify_rate_and_correct(registry):
 
 
 def test_keys_are_required_once_they_exist_and_scopes_are_enforced(registry):
-    keys = _keys(registry, app="chat", ops="chat,admin")
+    keys = api_keys(registry, app="chat", ops="chat,admin")
     with _app(registry) as c:
         assert c.get("/health").status_code == 200
         no_key = c.post("/v1/chat/completions", json=ASK)
@@ -131,7 +116,7 @@ def test_keys_are_required_once_they_exist_and_scopes_are_enforced(registry):
 
 
 def test_admin_manages_keys_by_name_and_a_revoked_key_stops_working(registry):
-    keys = _keys(registry, ops="admin")
+    keys = api_keys(registry, ops="admin")
     with _app(registry) as c:
         made = c.post("/admin/keys", json={"name": "crm", "scopes": ["chat", "certify"]}, headers=keys["ops"])
         assert made.status_code == 200 and made.json()["key"].startswith("rk_")
@@ -157,7 +142,7 @@ def test_admin_manages_keys_by_name_and_a_revoked_key_stops_working(registry):
         assert c.post("/admin/keys/crm/revoke", headers=keys["ops"]).json()["revoked_at"]
         assert c.post("/v1/chat/completions", json=ASK, headers=crm).status_code == 401
         # a key created elsewhere (`ratchet keys create`) is seen within the refresh interval
-        late = _keys(registry, late="chat")["late"]
+        late = api_keys(registry, late="chat")["late"]
         deadline = time.monotonic() + 5
         while c.post("/v1/chat/completions", json=ASK, headers=late).status_code != 200:
             assert time.monotonic() < deadline
@@ -240,7 +225,7 @@ def test_a_registry_outage_keeps_the_keys_read_before_and_never_opens_to_anonymo
     from pipeline.serving.access import Access
     from pipeline.serving.protocol import ApiError
 
-    crm = _keys(registry, crm="chat,certify")["crm"]
+    crm = api_keys(registry, crm="chat,certify")["crm"]
     down = create_engine(f"sqlite:///{tmp_path / 'missing' / 'registry.db'}")  # cannot be opened
     access = Access(db=get_engine(registry), refresh_s=0.0)
 

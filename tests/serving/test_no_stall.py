@@ -24,7 +24,7 @@ import uvicorn
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import ServerThread, experience_rows
+from serving.support import ServerThread, api_keys, experience_rows
 
 ASK = {"model": "ratchet", "messages": [{"role": "user", "content": "12+35=?"}], "max_tokens": 4}
 EVIL = {"type": "string", "pattern": "^(a+)+$"}
@@ -60,20 +60,6 @@ def timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
-
-
-def keys(url: str, **scopes: str) -> dict[str, dict[str, str]]:
-    from pipeline.principals import OPERATOR, parse_scopes
-    from pipeline.registry import create_api_key, get_engine, session_scope
-
-    out = {}
-    with session_scope(get_engine(url)) as session:
-        for name, scope in scopes.items():
-            _row, value = create_api_key(
-                session=session, name=name, scopes=parse_scopes(scope), actor=OPERATOR
-            )
-            out[name] = {"Authorization": f"Bearer {value}"}
-    return out
 
 
 def schema_contract(url: str) -> int:
@@ -112,7 +98,7 @@ def test_a_catastrophic_schema_pattern_in_feedback_stalls_nothing(registry):
     from pipeline.registry import get_engine, session_scope
     from pipeline.scoring import score_experience
 
-    key = keys(registry, crm="chat,certify,correct")["crm"]
+    key = api_keys(registry, crm="chat,certify,correct")["crm"]
     with Served(config(registry)) as srv:
         r = httpx.post(
             srv.url + "/v1/chat/completions", json={**ASK, "metadata": {"schema": EVIL}}, headers=key
@@ -250,7 +236,7 @@ def test_headers_never_finished_are_closed_after_the_timeout(registry):
 
 
 def test_connections_are_bounded_per_address_and_requests_per_key(registry):
-    ks = keys(registry, a="chat", b="chat")
+    ks = api_keys(registry, a="chat", b="chat")
     with Served(config(registry, max_connections_per_client=4, max_requests_per_key=1)) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
         with httpx.Client(base_url=srv.url) as client:
