@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 
 def bearer(request: Request) -> str | None:
     """The request's bearer token, or None when it sent no Authorization header."""
-    header = request.headers.get("authorization")
+    return bearer_token(request.headers.get("authorization"))
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The key in an ``Authorization`` header value: None without the header, "" when it is no bearer key."""
     if header is None:
         return None
     return header[7:].strip() if header.lower().startswith("bearer ") else ""

@@ -29,6 +29,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pipeline.serving.access import bearer_token
 from pipeline.serving.protocol import ApiError
 from pipeline.serving.runtime import Abort
 from pipeline.serving.served import ServeConfig
@@ -167,11 +168,12 @@ class KeyLimit:
         self.refused = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        key = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-        if scope["type"] != "http" or not self.limit or key is None:
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        key = bearer_token(header.decode("latin-1")) if header is not None else None
+        if scope["type"] != "http" or not self.limit or not key:
             await self.app(scope, receive, send)
             return
-        digest = hashlib.sha256(key).digest()
+        digest = hashlib.sha256(key.encode()).digest()  # the key as access reads it, however it is spelled
         if self.inflight[digest] >= self.limit:
             self.refused += 1
             exc = ApiError(
@@ -255,8 +257,12 @@ def guarded_h11(*, header_timeout_s: float, max_per_client: int) -> type[H11Prot
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE:
                 self._arm()  # waiting for the next request's headers on a kept-alive connection
+            elif self.conn.their_state is h11.SEND_BODY:  # answered before its body was read (401, 404,
+                self.transport.close()  # 429...): nothing would time out a body trickled after it
 
         def _arm(self) -> None:
             self._disarm()

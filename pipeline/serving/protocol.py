@@ -219,6 +219,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise too_deep()
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    try:  # a lone surrogate (`"\ud800"`) decodes, but no stored trace or spool record can hold it
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body has a lone UTF-16 surrogate escape", code="invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -219,17 +219,31 @@ def create_app(config: ServeConfig) -> FastAPI:
         who = await access.require(request, "chat")
         slot = feedbacks.admit()  # before the body: at most --max-feedback bodies held at once
         try:
-            return await handle_feedback(request, who)
+            body = parse_body(await body_of(request), FeedbackRequest)
         finally:
             slot.release()
-
-    async def handle_feedback(request: Request, who: Principal) -> FeedbackResponse:
-        body = parse_body(await body_of(request), FeedbackRequest)
         if body.rating is None and body.correction is None:
             raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
         task = state.pending.get(body.completion_id)
-        if task is not None:
-            await asyncio.wait([task], timeout=30)
+        if task is not None:  # its turn still decoding: waited for without a slot, so a client waiting on
+            await asyncio.wait([task], timeout=30)  # its own long turns holds nobody else's feedback up
+        slot = feedbacks.admit()  # storing and re-scoring: again at most --max-feedback at once
+        try:
+            return await handle_feedback(body, who)
+        finally:
+            slot.release()
+
+    async def handle_feedback(body: FeedbackRequest, who: Principal) -> FeedbackResponse:
+        assert state.recorder is not None
+        if state.recorder.full():  # the cap on unstored records holds for feedback too
+            raise ApiError(
+                503,
+                f"the registry is not taking writes and {config.spool_max_bytes} bytes wait in the spool "
+                "(--spool-max-bytes); retry later",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "5"},
+            )
         counted = await _spool_feedback(state, body, who)  # durable from here on
         assert state.recorder is not None
         if not await asyncio.to_thread(state.recorder.flush) and any(counted.values()):

@@ -223,6 +223,7 @@ class Spool:
                         entry.segment = seg
             except OSError as exc:  # disk full, I/O error: these turns are not durable; their requests fail
                 log.error("writing %d records to the spool failed: %s", len(batch), exc)
+                self._cut_torn_write()
                 self.on_durable([e for e, _ in batch], exc)
                 for entry, _ in batch:
                     entry.future.set_exception(exc)  # type: ignore[union-attr]
@@ -230,6 +231,22 @@ class Spool:
             self.on_durable([e for e, _ in batch], None)
             for entry, _ in batch:
                 entry.future.set_result(None)  # type: ignore[union-attr]
+
+    def _cut_torn_write(self) -> None:
+        """Drop whatever a failed write left after the live file's last whole record (a replay stops at a
+        torn record, so later records appended after it would be lost); if even that fails, seal the file
+        there and go on in a new one."""
+        with self._io:
+            seg = self.live
+            try:
+                os.ftruncate(seg.fd, seg.size)
+            except OSError as exc:
+                log.error("cutting a torn write off %s failed (%s): starting a new spool file", seg.path, exc)
+                seg.sealed = True
+                try:
+                    self.live = self._new_segment()
+                except OSError:
+                    log.exception("no new spool file either: the next write is tried in the old one")
 
     # -------------------------------------------------------------------------------------- committing
     def committed(self, entries: list[Entry]) -> None:

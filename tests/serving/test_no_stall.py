@@ -300,3 +300,111 @@ def test_feedback_is_bounded(registry):
         time.sleep(0.3)
         r = httpx.post(srv.url + "/v1/feedback", json={"completion_id": "chatcmpl-x", "rating": 1})
         assert r.status_code == 404  # the places are free again
+
+
+def test_a_lone_surrogate_is_a_400_not_an_answer_that_cannot_be_stored():
+    """Found in review: `"\\ud800"` in a body decoded and was answered, but the stored trace and the spool
+    record could not encode it (UnicodeEncodeError on the request path: answered, never recorded)."""
+    from pipeline.serving.protocol import ApiError, ChatRequest, parse_body
+
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"x": "\\ud800"}}'
+    with pytest.raises(ApiError) as refused:
+        parse_body(raw, ChatRequest)
+    assert refused.value.status == 400 and "surrogate" in str(refused.value)
+
+
+def test_unread_body_trickle_cannot_hold_a_connection():
+    """Found in review: an endpoint that answers without reading the body (401, 429, GET) leaves h11 in SEND_BODY;
+    no header deadline is re-armed and each byte cancels uvicorn's keep-alive timer, so a trickle holds the
+    connection past every deadline."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from pipeline.serving.limits import guarded_h11
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="error",
+        timeout_keep_alive=1,
+        http=guarded_h11(header_timeout_s=0.5, max_per_client=0),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        s.settimeout(2)
+        assert s.recv(4096).startswith(b"HTTP/1.1 401")
+        alive = True
+        for _ in range(12):  # 3.6 s: past the header deadline and the keep-alive
+            time.sleep(0.3)
+            try:
+                s.sendall(b"a")
+            except OSError:
+                alive = False
+                break
+        s.settimeout(0.5)
+        try:
+            alive = alive and s.recv(1) != b""
+        except TimeoutError:
+            pass  # nothing read, still open
+        except OSError:
+            alive = False
+        assert not alive, "a client trickling an unread body held its connection past every deadline"
+    finally:
+        server.should_exit = True
+        thread.join(5)
+
+
+def test_key_limit_counts_a_key_not_its_spelling():
+    """Found in review: KeyLimit hashes the raw Authorization header, access.bearer() accepts any case of "Bearer" and
+    surrounding spaces: the same key spelled N ways gets N times --max-requests-per-key."""
+    import asyncio
+
+    from pipeline.serving.limits import KeyLimit
+
+    async def main():
+        gate = asyncio.Event()
+        statuses = []
+
+        async def app(scope, receive, send):
+            await gate.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        limited = KeyLimit(app, limit=1)
+
+        async def call(header):
+            async def send(msg):
+                if msg["type"] == "http.response.start":
+                    statuses.append(msg["status"])
+
+            scope = {"type": "http", "headers": [(b"authorization", header)]}
+            await limited(scope, None, send)
+
+        first = asyncio.create_task(call(b"Bearer sk-same"))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(call(b"bearer sk-same "))  # the same key for access.bearer()
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, second)
+        return statuses
+
+    assert 429 in asyncio.run(main())
