@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -319,8 +320,14 @@ class ExperienceRecorder:
             log.error("refused record: %s", canonical(entry.data))
             return
         path = self.spool.directory / "rejected" / f"{time.time_ns()}.spool"
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(encode(entry.kind, entry.data, entry.at))
+        try:  # fsynced before the spooled original is let go; a failure is logged, never the writer's end
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(encode(entry.kind, entry.data, entry.at))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            log.error("keeping the refused record under %s failed (%s): %s", path, exc, canonical(entry.data))
 
 
 def with_summary(row: TraceRow, index: str, summary: str) -> TraceRow:

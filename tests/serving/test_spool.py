@@ -480,3 +480,29 @@ def test_a_failed_partial_write_does_not_hide_later_answered_records(tmp_path, m
     os.close(first.live.fd)
     replayed = Spool(tmp_path / "s").adopt()
     assert [e.data["n"] for e in replayed] == [1], "an answered, fsynced record is not replayed"
+
+
+@pytest.mark.parametrize("keepable", [True, False])
+def test_a_record_the_registry_refuses_is_kept_aside_and_the_writer_goes_on(tmp_path, keepable):
+    """A turn the registry refuses as data (here: a second turn under a stored completion id) is kept under
+    `rejected/` (fsynced), or, where even that fails, logged; either way the writer stores what follows."""
+    from pipeline.registry import get_engine
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    upgrade_db(url)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    if not keepable:
+        (spool / "rejected").write_text("a file where the directory belongs")
+    rec = ExperienceRecorder(get_engine(url), spool_dir=spool, flush_seconds=0.05)
+    try:
+        rec.append("turn", asdict(_row("c-1"))).result(10)
+        assert rec.flush(10)
+        rec.append("turn", asdict(_row("c-1", text="another reply"))).result(10)  # same id, other trace
+        rec.append("turn", asdict(_row("c-2"))).result(10)
+        assert rec.flush(10)
+        assert set(_stored(url)) == {"c-1", "c-2"} and rec.rejected == 1
+        kept = list((spool / "rejected").glob("*.spool")) if keepable else []
+        assert len(kept) == (1 if keepable else 0)
+    finally:
+        rec.close()
