@@ -152,6 +152,12 @@ class SpecialistScoring(StrictModel):
         default="weighted_mean",
         description="Turn score: weighted mean of the applicable scorer values, or their minimum (strict).",
     )
+    ungated: bool = Field(
+        default=False,
+        description="True: this specialist has no held-out suite and is trained and promoted with no gate of "
+        "its own (only the other specialists' suites judge a candidate). A specialist without a held-out suite "
+        "must say so; the dashboard shows it as ungated.",
+    )
 
     @model_validator(mode="after")
     def _scorers(self) -> SpecialistScoring:
@@ -231,12 +237,13 @@ class PromotionGates(StrictModel):
     """When a candidate generation may replace its parent (compared on the held-out suites, in one run).
 
     The improvement test is one-sided on the paired per-item differences (the overall delta is the mean of
-    the specialists' mean differences, its standard error from their item-level variances). Its error rate
-    is spent over the attempts made against the same champion: attempt ``k`` since the last promotion is
-    tested at ``false_promotion_rate * 6 / (pi**2 * k**2)``, which sums to ``false_promotion_rate`` over any
-    number of attempts, so a candidate no better than its parent is promoted with at most that probability
-    however often the lineage tries (the held-out suite is reused; the bound does not need the attempts to
-    be independent)."""
+    the specialists' mean differences), an exact sign-flip permutation test (``pipeline.inference``). Its
+    error rate is spent per held-out suite over every test that ever used it (the registry's spending
+    ledger, whatever the champion, lineage or contract version): the ``j``-th test on a suite is made at
+    ``false_promotion_rate * 6 / (pi**2 * j**2)``, which sums to ``false_promotion_rate``, so a candidate
+    no better than its parent is promoted with at most that probability over everything that reuses the
+    suite (the bound does not need the attempts to be independent). Non-inferiority (per specialist, and
+    per retention suite) is spent the same way at its own rate."""
 
     min_improvement: float = Field(
         default=0.0,
@@ -247,8 +254,8 @@ class PromotionGates(StrictModel):
         default=0.05,
         gt=0.0,
         lt=0.5,
-        description="Bound on the chance that any promotion of the lineage is of a candidate no better than "
-        "its parent, over all attempts since the last promotion (alpha spending).",
+        description="Bound on the chance that any promotion judged on a held-out suite is of a candidate no "
+        "better than its parent, over every test that ever used that suite (alpha spent per suite).",
     )
     max_regression: float = Field(
         default=0.02, ge=0.0, description="Largest allowed drop of any specialist's mean score."
@@ -260,11 +267,17 @@ class PromotionGates(StrictModel):
         default=0.05,
         gt=0.0,
         lt=0.5,
-        description="Chance, per attempt and specialist, that a specialist truly worse than its parent by "
-        "more than its tolerance passes the regression rule (one-sided non-inferiority test: the lower "
-        "confidence bound of its delta must stay above minus the tolerance).",
+        description="Bound on the chance that a specialist truly worse than its parent by more than its "
+        "tolerance ever passes the regression rule (a one-sided non-inferiority test, spent over every test "
+        "on its suite like `false_promotion_rate`).",
     )
     min_heldout_samples: int = Field(default=20, ge=2, description="Minimum held-out items per specialist.")
+    max_kl_to_base: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Largest mean per-token KL divergence (nats) of a candidate specialist from the base model "
+        "on its held-out prompts; a candidate above it is not promoted (null: measured and recorded only).",
+    )
     max_unscored_share: float = Field(
         default=0.02,
         ge=0.0,
@@ -342,17 +355,75 @@ class HeldoutSuite(StrictModel):
     )
     seed: int | None = Field(default=None, description="Generator seed (the suite is a pure function of it).")
     size: int | None = Field(default=None, ge=1, description="Number of generated items.")
+    fresh: bool = Field(
+        default=False,
+        description="Generated suites only: draw a fresh sample for each champion (the seed is combined with "
+        "the champion's generation number, and each sample is its own suite in the spending ledger), which "
+        "restores the gate's power after promotions. The generator must have a canonical form, so that the "
+        "exclusion predicate covers every sample it could draw.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> HeldoutSuite:
-        by_file = self.path is not None or self.sha256 is not None
-        by_gen = self.generator is not None or self.seed is not None or self.size is not None
-        if by_file == by_gen:
-            raise ValueError("give either `path` + `sha256` or `generator` + `seed` + `size`")
-        if by_file and (self.path is None or self.sha256 is None):
-            raise ValueError("a file suite needs both `path` and `sha256`")
-        if by_gen and (self.generator is None or self.seed is None or self.size is None):
-            raise ValueError("a generated suite needs `generator`, `seed` and `size`")
+        check_one_source(self)
+        if self.fresh and self.generator is None:
+            raise ValueError("`fresh` draws a new sample of a generated suite; a file suite cannot")
+        return self
+
+
+def check_one_source(suite: HeldoutSuite | RetentionSuite) -> None:
+    """A suite is a file (``path`` + ``sha256``) or a generator (``generator`` + ``seed`` + ``size``)."""
+    by_file = suite.path is not None or suite.sha256 is not None
+    by_gen = suite.generator is not None or suite.seed is not None or suite.size is not None
+    if by_file == by_gen:
+        raise ValueError("give either `path` + `sha256` or `generator` + `seed` + `size`")
+    if by_file and (suite.path is None or suite.sha256 is None):
+        raise ValueError("a file suite needs both `path` and `sha256`")
+    if by_gen and (suite.generator is None or suite.seed is None or suite.size is None):
+        raise ValueError("a generated suite needs `generator`, `seed` and `size`")
+
+
+class RetentionSuite(StrictModel):
+    """A capability the lineage must keep: items a specialist answers, evaluated for champion and candidate
+    every generation and gated by non-inferiority (held out like the held-out suites: never trained on)."""
+
+    name: Name = Field(description="The suite's name (unique among the contract's retention suites).")
+    specialist: Name = Field(description="The specialist that answers the items.")
+    scored_as: Name | None = Field(
+        default=None,
+        description="Whose scorers score the answers (a declared specialist); null: `specialist`'s own.",
+    )
+    path: str | None = Field(default=None, description="JSONL file of traces; relative to the contract file.")
+    sha256: Annotated[str | None, BeforeValidator(_quoted_hash)] = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 (64 lowercase hex digits) of the JSONL file.",
+    )
+    generator: Name | None = Field(
+        default=None,
+        description="A registered task source (`demo`, or an entry point of `ratchet.tasks`): its `heldout` split.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options passed to the generator (e.g. `family` for `demo`)."
+    )
+    seed: int | None = Field(default=None, description="Generator seed (the suite is a pure function of it).")
+    size: int | None = Field(default=None, ge=1, description="Number of generated items.")
+    max_regression: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="Largest allowed drop of the suite's mean score from the champion's to the candidate's.",
+    )
+    error_rate: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="Bound on the chance that a candidate truly worse than the champion on this suite by more "
+        "than `max_regression` is ever promoted (a non-inferiority test spent over every test on the suite).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RetentionSuite:
+        check_one_source(self)
         return self
 
 
@@ -370,6 +441,11 @@ class ContractSpec(StrictModel):
     selection: SelectionRules = Field(default_factory=SelectionRules, description="Training-data selection.")
     promotion: PromotionGates = Field(default_factory=PromotionGates, description="Promotion gates.")
     heldout: list[HeldoutSuite] = Field(default_factory=list, description="Held-out evaluation suites.")
+    retention: list[RetentionSuite] = Field(
+        default_factory=list,
+        description="Capabilities the lineage must keep (gated by non-inferiority every generation). The suites "
+        "of a contract version the lineage adopted before are added to these automatically.",
+    )
     decontamination: Decontamination = Field(
         default_factory=Decontamination,
         description="How experience is found to contain a held-out item (it is then never learned from).",
@@ -396,6 +472,19 @@ class ContractSpec(StrictModel):
             for i, s in enumerate(self.heldout)
             if s.specialist not in self.specialists
         ]
+        for i, r in enumerate(self.retention):
+            problems += [
+                f"retention[{i}].{key} {name!r} is not a declared specialist"
+                for key, name in (("specialist", r.specialist), ("scored_as", r.scored_as))
+                if name is not None and name not in self.specialists
+            ]
+        names = [r.name for r in self.retention]
+        problems += [f"retention: the name {n!r} is used twice" for n in sorted(set(names)) if names.count(n) > 1]
+        problems += [
+            f"specialists.{n}: `ungated: true` but a held-out suite judges it; remove one of the two"
+            for n, spec in self.specialists.items()
+            if spec.ungated and any(h.specialist == n for h in self.heldout)
+        ]
         if self.routing is not None:
             problems += [
                 f"routing.prompts: {n!r} is not a declared specialist"
@@ -405,6 +494,17 @@ class ContractSpec(StrictModel):
         if problems:
             raise ValueError("; ".join(problems) + f" (declared: {', '.join(known)})")
         return self
+
+    def ungated_problems(self) -> list[str]:
+        """One line per specialist that no held-out suite judges and that does not say ``ungated: true`` (a
+        contract a lineage is started on or adopts must have none; scoring alone does not need suites)."""
+        suited = {h.specialist for h in self.heldout}
+        return [
+            f"specialists.{n}: no held-out suite judges it: add one under `heldout`, or say `ungated: true` "
+            "(it is then trained and promoted with no gate of its own)"
+            for n, spec in self.specialists.items()
+            if n not in suited and not spec.ungated
+        ]
 
     def scorers_for(self, specialist: str) -> list[Any]:
         """The scorer configs of ``specialist`` (the default specialist's when it is not declared)."""
