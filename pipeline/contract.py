@@ -404,7 +404,8 @@ class RetentionSuite(StrictModel):
         description="A registered task source (`demo`, or an entry point of `ratchet.tasks`): its `heldout` split.",
     )
     options: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword options passed to the generator (e.g. `family` for `demo`)."
+        default_factory=dict,
+        description="Keyword options passed to the generator (e.g. `family` for `demo`).",
     )
     seed: int | None = Field(default=None, description="Generator seed (the suite is a pure function of it).")
     size: int | None = Field(default=None, ge=1, description="Number of generated items.")
@@ -479,7 +480,9 @@ class ContractSpec(StrictModel):
                 if name is not None and name not in self.specialists
             ]
         names = [r.name for r in self.retention]
-        problems += [f"retention: the name {n!r} is used twice" for n in sorted(set(names)) if names.count(n) > 1]
+        problems += [
+            f"retention: the name {n!r} is used twice" for n in sorted(set(names)) if names.count(n) > 1
+        ]
         problems += [
             f"specialists.{n}: `ungated: true` but a held-out suite judges it; remove one of the two"
             for n, spec in self.specialists.items()
