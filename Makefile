@@ -32,7 +32,7 @@ demo: install
 	$(if $(shell command -v bwrap),,RATCHET_SANDBOX=$${RATCHET_SANDBOX:-process}) $(VENV)/bin/ratchet demo
 
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=25 $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)

@@ -366,9 +366,11 @@ def advance_cluster(
 def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
     """A decided generation's held-out comparison as table rows, and its decision with the gates as markdown.
 
-    Each row's interval is two-sided at ``1 - 2 alpha``, so its lower end is the one-sided bound the gate
-    tested: per specialist alpha is the contract's ``regression_error_rate``, overall the rate this attempt's
-    improvement test used."""
+    Each row's interval is a two-sided t interval at ``1 - 2 alpha`` (per specialist alpha is the contract's
+    ``regression_error_rate``, overall the rate the improvement test used), a description of the delta; the
+    gates are the verdict's own tests (``evaluation["verdict"]["tests"]``: exact or Monte Carlo sign-flip
+    tests, each at the rate its attempt on its suite may spend), then the KL budget, the item count and
+    routing."""
     from pipeline.candidate import contract_of
     from pipeline.promotion import t_quantile
     from pipeline.registry import get_engine, get_generation, session_scope
@@ -380,11 +382,8 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
     gates, comparison = contract.promotion, evaluation.get("comparison") or {}
     verdict = evaluation.get("verdict") or {}
 
-    lows: dict[str, float] = {}  # each row's lower end: the bound its gate tested
-
     def row(name, parent, candidate, delta, se, df, alpha, n) -> dict:
         half = t_quantile(1 - alpha, df) * se
-        lows[name] = delta - half
         interval = f"{100 * (1 - 2 * alpha):.4g}% [{delta - half:+.4f}, {delta + half:+.4f}]"
         return {"specialist": name, "parent": round(parent, 4), "candidate": round(candidate, 4),
                 "delta": round(delta, 4), "interval": interval, "n": n}  # fmt: skip
@@ -404,14 +403,21 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
         total = sum(c["n"] for _, c in specialists)
         rows.append(row("overall", comparison["champion_overall"], comparison["candidate_overall"],
                         comparison["delta"], comparison["se"], df, verdict["rate"], total))  # fmt: skip
-        setting = (f"lower bound > {gates.min_improvement:g} at rate {verdict['rate']:.4f} (attempt "
-                   f"{evaluation.get('attempt', 1)}; lineage rate {gates.false_promotion_rate:g})")  # fmt: skip
-        lines.append(gate("improvement", setting, f"lower bound {verdict['lower']:+.4f}",
-                          verdict["lower"] > gates.min_improvement))  # fmt: skip
-    for r in rows[: len(specialists)]:
-        tolerance = gates.tolerance(r["specialist"])
-        lines.append(gate(f"no regression: {r['specialist']}", f"lower bound > -{tolerance:g} at rate {alpha:g}",
-                          f"delta {r['delta']:+.4f}, {r['interval']}", lows[r["specialist"]] > -tolerance))  # fmt: skip
+    # the gate's own tests (sign-flip permutation tests, each at the rate its attempt on the suite may spend);
+    # the rows' t intervals above describe the deltas, they decide nothing
+    for test in verdict.get("tests", []):
+        how = "exact" if test["method"] == "exact" else f"Monte Carlo +-{test['mc_error']:.4f}"
+        margin = f", margin {test['margin']:+g}" if test["margin"] else ""
+        setting = f"p <= {test['rate']:.4g} (attempt {test['attempt']} on its suite{margin})"
+        measured = f"p = {test['p']:.4g} ({how}, {test['units']} units)"
+        lines.append(gate(test["test"], setting, measured, test["passed"]))
+    if gates.max_kl_to_base is not None:
+        divergence = evaluation.get("divergence") or {}
+        for s, _ in specialists:
+            kl = (divergence.get(s) or {}).get("kl_to_base")
+            measured = "not measured" if kl is None else f"{kl:.4f} nats/token"
+            lines.append(gate(f"KL to base: {s}", f"<= {gates.max_kl_to_base:g}", measured,
+                              kl is not None and kl <= gates.max_kl_to_base))  # fmt: skip
     fewest = min((c["n"] for _, c in specialists), default=0)
     lines.append(gate("held-out items", f">= {gates.min_heldout_samples} per specialist", f"fewest {fewest}",
                       fewest >= gates.min_heldout_samples))  # fmt: skip

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.candidate import STEPS, AdvanceConfig, Progress, done_steps, record_seconds
 from pipeline.errors import ConflictError, RatchetError
 from pipeline.lease import Lease, owner_gone, owner_id
+from pipeline.suites import require_gated
 
 if TYPE_CHECKING:
     from pipeline.tracking import Tracker
@@ -63,6 +64,7 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
             champion = get_champion(session=session, lineage=config.lineage)
             if champion is None:
                 raise RatchetError(f"lineage {config.lineage!r} has no champion: run `ratchet init` first")
+            require_gated(champion, lineage=config.lineage)  # no specialist trained with no gate, unsaid
             gen = create_generation(
                 session=session,
                 lineage=config.lineage,

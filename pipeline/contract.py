@@ -291,12 +291,18 @@ class PromotionGates(StrictModel):
         """The regression tolerance of ``specialist``."""
         return self.max_regression_per_specialist.get(specialist, self.max_regression)
 
-    def attempt_rate(self, attempt: int) -> float:
-        """The error rate the improvement test of attempt ``attempt`` (1, 2, ... since the last promotion)
-        may use: ``false_promotion_rate * 6 / (pi**2 * attempt**2)``."""
+    def attempt_rate(self, attempt: int, sample: int | None = None) -> float:
+        """The error rate the improvement test may use at attempt ``attempt`` on its held-out suites (the
+        spending ledger's count): ``false_promotion_rate * 6 / (pi**2 * attempt**2)``. On the ``sample``-th
+        fresh sample of suites that draw one per champion (``fresh: true``), that times ``6 / (pi**2 *
+        sample**2)``: the shares sum to ``false_promotion_rate`` over every attempt on every sample, so fresh
+        samples keep the lineage-wide bound (they restore the power attempts on one sample use up, not the
+        budget)."""
         import math
 
-        return self.false_promotion_rate * 6 / (math.pi**2 * max(1, attempt) ** 2)
+        share = 6 / math.pi**2
+        rate = self.false_promotion_rate * share / max(1, attempt) ** 2
+        return rate if sample is None else rate * share / max(1, sample) ** 2
 
 
 class Decontamination(StrictModel):
@@ -531,10 +537,16 @@ def contract_hash(spec: ContractSpec) -> str:
 
 
 def declared_files(contract: ContractSpec) -> list[tuple[str, str, str]]:
-    """``(where, path, sha256)`` of every file the contract names: held-out suites, then task files."""
+    """``(where, path, sha256)`` of every file the contract names: held-out suites, retention suites, then task
+    files."""
     out = [
         (f"heldout[{i}] ({suite.specialist})", suite.path, suite.sha256)
         for i, suite in enumerate(contract.heldout)
+        if suite.path is not None and suite.sha256 is not None
+    ]
+    out += [
+        (f"retention[{i}] ({suite.name})", suite.path, suite.sha256)
+        for i, suite in enumerate(contract.retention)
         if suite.path is not None and suite.sha256 is not None
     ]
     out += [

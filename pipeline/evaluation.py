@@ -10,22 +10,32 @@ of the comparison on both sides and counted per specialist (``evaluation["unscor
 ``evaluation["unscored_errors"]``); more than ``promotion.max_unscored_share`` of all items unscored fails
 the step with one line (``check_unscored``). Every compared item's scores are stored with the candidate
 (``evaluation["items"]``, and with both answers in ``evaluation_items``; unscored items in neither), as are
-the router's accuracy on the contract's routing suite for both harnesses, which attempt against this
-champion the candidate is, and how both pairs answer the variants discovery found this generation
+the router's accuracy on the contract's routing suite for both harnesses, each specialist's suite hash
+(``evaluation["suites"]``) and the attempt number of each test on its suites from the registry's spending
+ledger (``evaluation["attempts"]``: every earlier evaluation on the same suite counts, whatever its champion,
+lineage or contract version; a ``fresh`` suite is a new sample, and a new suite, per champion), and how both
+pairs answer the variants discovery found this generation
 (``evaluation["discovery"]``: greedy final-turn scores, unscored as 0; they were practised on: a report,
 never a gate); ``pipeline.promotion`` turns the rest into a verdict.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
+from pipeline.answers import (  # noqa: F401 - re-exported: evaluation's vocabulary, used by co-design and tests
+    ItemScore,
+    answer_suites,
+    check_unscored,
+    item_score,
+    paired_values,
+    score_both,
+    score_pair,
+)
 from pipeline.candidate import AdvanceConfig, Progress, contract_of, load_generation, mark_step
 from pipeline.errors import RatchetError
+from pipeline.inference import Comparison, SpecialistComparison, compare_scores  # noqa: F401
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -33,218 +43,53 @@ if TYPE_CHECKING:
     from pipeline.contract import ContractSpec
     from pipeline.eligibility import Candidate
     from pipeline.harness import HarnessSpec
-    from pipeline.pair import PairSpec
-    from pipeline.registry import Generation
     from pipeline.serving.router import TokenClassifier
 
 
-@dataclass(frozen=True)
-class SpecialistComparison:
-    """One specialist's held-out result for both pairs: means, the mean paired difference and its SE."""
-
-    specialist: str
-    n: int
-    champion: float
-    candidate: float
-    delta: float
-    se: float
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The paired comparison of two pairs on the same items."""
-
-    specialists: dict[str, SpecialistComparison]
-    champion_overall: float
-    candidate_overall: float
-    delta: float
-    se: float
-    df: float  # Welch-Satterthwaite degrees of freedom of the overall delta's t statistic
-
-    def to_dict(self) -> dict[str, Any]:
-        """As stored (JSON has no infinity: an infinite ``df`` -- no variance at all -- is null)."""
-        return {**asdict(self), "df": None if math.isinf(self.df) else self.df}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Comparison:
-        specialists = {k: SpecialistComparison(**v) for k, v in data["specialists"].items()}
-        return cls(
-            **{**data, "specialists": specialists, "df": math.inf if data["df"] is None else data["df"]}
-        )
-
-
-def compare_scores(champion: dict[str, list[float]], candidate: dict[str, list[float]]) -> Comparison:
-    """Paired statistics of per-item scores (same items, same order, per specialist)."""
-    import numpy as np
-
-    if set(champion) != set(candidate):
-        raise ValueError(f"specialists differ: {sorted(champion)} vs {sorted(candidate)}")
-    per: dict[str, SpecialistComparison] = {}
-    parts = []  # (variance of the specialist's mean, n)
-    for s in sorted(champion):
-        if len(champion[s]) != len(candidate[s]):
-            raise ValueError(f"{s}: {len(champion[s])} champion items vs {len(candidate[s])} candidate items")
-        if not champion[s]:
-            continue
-        a, b = np.asarray(champion[s], dtype=np.float64), np.asarray(candidate[s], dtype=np.float64)
-        d = b - a
-        var = float(d.var(ddof=1)) / len(d) if len(d) > 1 else 0.0
-        parts.append((var, len(d)))
-        per[s] = SpecialistComparison(
-            s, len(d), float(a.mean()), float(b.mean()), float(d.mean()), math.sqrt(var)
-        )
-    if not per:
-        return Comparison({}, 0.0, 0.0, 0.0, 0.0, 0.0)
-    k = len(per)
-    var = sum(v for v, _ in parts) / k**2
-    df = sum(v for v, _ in parts) ** 2 / sum(v**2 / max(1, n - 1) for v, n in parts) if var > 0 else math.inf
-    champ = fmean(c.champion for c in per.values())
-    cand = fmean(c.candidate for c in per.values())
-    return Comparison(per, champ, cand, cand - champ, math.sqrt(var), df)
-
-
-def score_pair(
-    pair: PairSpec,
-    items: dict[str, list[dict[str, Any]]],
-    contract: ContractSpec,
+def spend_attempts(
     *,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[float]]:
-    """Greedy answers of the pair on the items, each item's final-turn score under the contract (unscored =
-    0: a report or a choice among harness variants, never the promotion gate, which uses ``score_both``)."""
-    answered = answer_suites(pair, items, progress=progress)
+    generation_id: int,
+    lineage: str,
+    suites: dict[str, str],
+    items: dict[str, list[dict[str, Any]]],
+    families: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Spend the candidate's tests in the registry's ledger (``pipeline.registry.ledger``): the improvement
+    test on every evaluated suite (``suites``: specialist -> suite sha256; ``items``: specialist -> the
+    suite's resolved items, which the ledger counts by) and each specialist's non-inferiority test on its
+    own; ``{"improvement": j, "improvement_sample": e, "noninferiority": {specialist: j}}`` (``e``: which
+    sample of a fresh suite's family this is, None for fixed suites; ``families``: suite sha256 -> family,
+    for fresh suites). A rerun of the same generation's evaluation gets the same numbers."""
+    from pipeline.registry import get_engine, samples_of, session_scope, spend
+    from pipeline.suites import item_keys
+
+    tests = {"improvement": sorted(set(suites.values()))}
+    tests |= {f"noninferiority:{s}": [digest] for s, digest in suites.items()}
+    keys = {digest: item_keys(items[s]) for s, digest in suites.items()}
+    with session_scope(get_engine()) as session:
+        spent = spend(
+            session, generation_id=generation_id, lineage=lineage, tests=tests, items=keys, families=families
+        )
+        samples = samples_of(session, generation_id=generation_id)
     return {
-        s: [item_score(contract, t, harness=pair.harness, specialist=s).value or 0.0 for t in traces]
-        for s, traces in answered.items()
+        "improvement": spent["improvement"],
+        # the fresh sample's number in its family (None: fixed suites, whose rate has no sample share)
+        "improvement_sample": samples.get("improvement", 1) if families else None,
+        "noninferiority": {s: spent[f"noninferiority:{s}"] for s in sorted(suites)},
     }
 
 
-def answer_suites(
-    pair: PairSpec,
-    items: dict[str, list[dict[str, Any]]],
-    *,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[dict[str, Any]]]:
-    """The pair's greedy answer to every item: per specialist, one trace per item."""
-    from pipeline.pair import answer_items
+def suite_families(contract: ContractSpec, hashes: dict[str, str]) -> dict[str, str]:
+    """Suite sha256 -> family for the specialists whose held-out suites draw fresh samples: the hash of the
+    specialist's suite declarations (which do not change from one sample to the next)."""
+    from pipeline.spec import content_hash
 
-    answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
-    return {s: [trace for (trace,) in traces] for s, traces in answered.items()}
-
-
-@dataclass(frozen=True)
-class ItemScore:
-    """One held-out item's score on one pair: the final assistant turn's score under the contract, or None
-    (unscored) with why."""
-
-    value: float | None
-    error: str | None = None
-
-
-def item_score(
-    contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec, specialist: str
-) -> ItemScore:
-    """The score of an answered item: its final assistant turn's total (``score_trace(...).final.total``; a
-    multi-turn item is judged on the turn that answers it, not on the mean of its turns).
-
-    *Unscored* (value None, with the first reason) when the trace has no assistant turn, when no scorer gave
-    its final turn a value, or when one of the contract's scorers gave its final turn no value *and* an error
-    -- the scorer applied but could not reach a verdict: a judge that was unreachable or whose reply was not a
-    grade, a schema or test cases in the item's metadata that could not be read. Such a turn's total would be
-    made of the other scorers alone, unlike the same item's total on the other pair. A scorer that does not
-    apply (None without an error) leaves an item scored; a scorer that crashed scores 0 with its error
-    (``run_scorer`` fails closed), which is a score."""
-    from pipeline.scoring import score_trace
-
-    final = score_trace(contract, trace, harness=harness, specialist=specialist).final
-    if final is None or final.total is None:
-        why = "; ".join(f"{k}: {e}" for k, e in (final.errors if final else {}).items())
-        return ItemScore(None, why or "no scorer applies to the final turn")
-    broken = [  # only the scorers' own keys: the errors also say e.g. that a specialist was scored as another
-        f"{key}: {error}"
-        for key, error in final.errors.items()
-        if key in final.values and final.values[key] is None
-    ]
-    if broken:
-        return ItemScore(None, broken[0])
-    return ItemScore(float(final.total))
-
-
-def score_both(
-    contract: ContractSpec,
-    champion: tuple[HarnessSpec, dict[str, list[dict[str, Any]]]],
-    candidate: tuple[HarnessSpec, dict[str, list[dict[str, Any]]]],
-) -> dict[str, list[tuple[ItemScore, ItemScore]]]:
-    """Both pairs' answers (``(harness, answer_suites(...))`` each) scored item by item, interleaved --
-    champion's item 1, candidate's item 1, champion's item 2, ... -- so a scorer that fails for a while (a
-    judge that goes down and comes back) fails on both sides of the same items, never on one pair's half."""
-    from pipeline.clock import CLOCK
-
-    (champ_harness, champ), (cand_harness, cand) = champion, candidate
-    out: dict[str, list[tuple[ItemScore, ItemScore]]] = {}
-    with CLOCK.measure("score"):
-        for specialist in champ:
-            out[specialist] = [
-                (
-                    item_score(contract, a, harness=champ_harness, specialist=specialist),
-                    item_score(contract, b, harness=cand_harness, specialist=specialist),
-                )
-                for a, b in zip(champ[specialist], cand[specialist], strict=True)
-            ]
+    out = {}
+    for specialist, digest in hashes.items():
+        mine = [h.model_dump(mode="json") for h in contract.heldout if h.specialist == specialist]
+        if any(h["fresh"] for h in mine):
+            out[digest] = content_hash({"specialist": specialist, "suites": mine})
     return out
-
-
-def paired_values(
-    scored: dict[str, list[tuple[ItemScore, ItemScore]]],
-) -> tuple[dict, dict, dict[str, list[int]]]:
-    """``(champion, candidate, unscored)``: per specialist, the scores of the items scored on both pairs (same
-    order), and the positions of the items left out because either side is unscored."""
-    champ: dict[str, list[float]] = {}
-    cand: dict[str, list[float]] = {}
-    unscored: dict[str, list[int]] = {}
-    for specialist, rows in scored.items():
-        champ[specialist], cand[specialist], unscored[specialist] = [], [], []
-        for i, (a, b) in enumerate(rows):
-            if a.value is None or b.value is None:
-                unscored[specialist].append(i)
-            else:
-                champ[specialist].append(a.value)
-                cand[specialist].append(b.value)
-    return champ, cand, unscored
-
-
-def check_unscored(
-    scored: dict[str, list[tuple[ItemScore, ItemScore]]], unscored: dict[str, list[int]], limit: float
-) -> None:
-    """``RatchetError`` (one line: how many of how many, the limit, and the first item's reason, its
-    whitespace collapsed) when more than ``limit`` of all items could not be scored on both pairs."""
-    total = sum(len(rows) for rows in scored.values())
-    left_out = sum(len(v) for v in unscored.values())
-    if total and left_out / total > limit:
-        first = next(
-            (x.error for s, rows in scored.items() for i in unscored[s] for x in rows[i] if x.value is None),
-            "",
-        )
-        raise RatchetError(
-            f"evaluation: {left_out:,} of {total:,} held-out items ({left_out / total:.1%}) could not be scored on "
-            f"both pairs (over promotion.max_unscored_share {limit:g}): {' '.join(first.split())[:300]}"
-        )
-
-
-def attempt_number(session: Session, gen: Generation) -> int:
-    """Which attempt against its parent (the champion it was built from) this candidate is: 1 + the
-    siblings decided before it (rejected, or promoted and since retired) and those failed after their
-    evaluation (abandoned by an operator: their comparison was made all the same)."""
-    from sqlalchemy import func, select
-
-    from pipeline.registry import Generation as G
-
-    siblings = (G.parent_id == gen.parent_id, G.number < gen.number)
-    earlier = session.scalar(
-        select(func.count()).select_from(G).where(*siblings, G.status.in_(("rejected", "retired")))
-    )
-    failed = session.scalars(select(G.evaluation).where(*siblings, G.status == "failed")).all()
-    return 1 + int(earlier or 0) + sum(1 for e in failed if "comparison" in (e or {}))
 
 
 def evaluate_step(
@@ -252,9 +97,10 @@ def evaluate_step(
 ) -> dict[str, Any]:
     """Score the champion and the candidate on the contract's held-out suites in the same run; compare."""
     from pipeline.discovery import discovered_items
-    from pipeline.heldout import resolve_suites
+    from pipeline.heldout import resolve_suites, suite_sha256
     from pipeline.pair import pair_for_generation
     from pipeline.registry import get_engine, session_scope, set_generation_status
+    from pipeline.suites import compared_groups
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -264,7 +110,7 @@ def evaluate_step(
         contract = contract_of(gen)
         parent = load_generation(session, gen.parent_id)
         candidate, champion = pair_for_generation(gen), pair_for_generation(parent)
-        attempt, state = attempt_number(session, gen), gen.state
+        lineage, epoch, state = gen.lineage, parent.number, gen.state  # epoch: the champion's (fresh suites)
         parent_classifier = (parent.state or {}).get("router_classifier")
         candidates = None
         if candidate.harness.routing.mode != "signals":
@@ -272,7 +118,9 @@ def evaluate_step(
 
             candidates, _ = lineage_candidates(session, gen, contract)
     # the generation's specialists only (a lineage may serve a subset of the contract's specialists)
-    suites = {s: items for s, items in resolve_suites(contract).items() if s in candidate.adapters}
+    suites = {
+        s: items for s, items in resolve_suites(contract, epoch=epoch).items() if s in candidate.adapters
+    }
     if not suites:
         raise RatchetError("the contract declares no held-out suites: nothing to evaluate a candidate on")
     report = (lambda who: lambda d, t: progress(f"evaluate {who}", d, t)) if progress else (lambda who: None)
@@ -291,7 +139,17 @@ def evaluate_step(
                 "candidate": round(fmean(after[s]), 4)}
             for s in variants
         }  # fmt: skip
-    comparison = compare_scores(champ_scores, cand_scores)
+    groups = {s: compared_groups(suites[s], unscored.get(s, [])).get("groups") for s in suites}
+    comparison = compare_scores(champ_scores, cand_scores, {s: g for s, g in groups.items() if g})
+    hashes = {s: suite_sha256(suites[s]) for s in sorted(suites)}
+    attempts = spend_attempts(
+        generation_id=generation_id,
+        lineage=lineage,
+        suites=hashes,
+        items=suites,
+        families=suite_families(contract, hashes),
+    )
+    attempt = attempts["improvement"]
     classifier = fit_router(candidate.harness, contract, candidates) if candidates is not None else None
     evaluation = {
         "scores": {s: round(c.candidate, 4) for s, c in comparison.specialists.items()},
@@ -299,11 +157,15 @@ def evaluate_step(
         "parent_scores": {s: round(c.champion, 4) for s, c in comparison.specialists.items()},
         "parent_overall": round(comparison.champion_overall, 4),
         "comparison": comparison.to_dict(),
-        "attempt": attempt,
+        "suites": hashes,  # each specialist's held-out suite, as the spending ledger knows it
+        "attempts": attempts,
+        "attempt": attempt,  # the improvement test's (what readers before the per-test attempts read)
         "items": {  # the items scored on both pairs (what the comparison is made of)
             s: {
                 "parent": [round(v, 4) for v in champ_scores[s]],
                 "candidate": [round(v, 4) for v in cand_scores[s]],
+                # metadata.group of each compared item, when any has one: a group is resampled as one unit
+                **compared_groups(suites[s], unscored.get(s, [])),
             }
             for s in sorted(suites)
         },
@@ -315,6 +177,10 @@ def evaluate_step(
         "router": measure_routing(candidate.harness, contract, classifier),
         "parent_router": measure_routing(champion.harness, contract, _classifier(parent_classifier)),
     }
+    from pipeline.retention import forgetting  # retention suites (spent in the ledger) and KL divergence
+
+    evaluation |= forgetting(contract, champion, candidate, cand_answers, generation_id=generation_id,
+                             attempts=evaluation.get("attempts"), progress=progress)  # fmt: skip
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
         gen.evaluation = evaluation

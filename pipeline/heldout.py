@@ -1,6 +1,11 @@
 """Held-out items: the contract's suites, and the one predicate that keeps them out of everything learned.
 
-``resolve_suites(contract)`` gives the items of every held-out suite. ``heldout_index(contract)`` is the
+``resolve_suites(contract, epoch=...)`` gives the items of every held-out suite (a ``fresh`` suite's sample for
+the champion of generation ``epoch``), ``resolve_retention(contract)`` those of every retention suite, and
+``suite_sha256(items)`` a suite's identity in the spending ledger (``pipeline.registry.ledger``). Retention
+items are held out like held-out ones, and so is every item a fresh suite could ever draw: its generator's
+whole held-out split (a fresh suite needs a generator with a ``canonical`` form, which recognises each of
+those problems however it is worded). ``heldout_index(contract)`` is the
 exclusion predicate every consumer of experience goes through (curation, co-design exemplars, router
 training data: ``pipeline.eligibility.load_candidates`` applies it before anything else sees a trace; task
 items, variants, corrections and harness exemplars are checked with it too):
@@ -45,6 +50,7 @@ of the same code; a tool call rather than the compact text of ``metadata.expecte
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,10 +58,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.spec import content_hash
 from pipeline.texts import KEPT_CHARS, KEPT_TEXTS, json_strings, message_texts, trimmed, words
 
 if TYPE_CHECKING:
-    from pipeline.contract import ContractSpec
+    from pipeline.contract import ContractSpec, HeldoutSuite, RetentionSuite
 
 MIN_CONTAINED = 3  # a held-out prompt of fewer tokens (trimmed) only matches a text that is exactly it
 # A reference answer of fewer tokens (words and punctuation marks, trimmed) is not indexed: one to three
@@ -65,47 +72,130 @@ MIN_CONTAINED = 3  # a held-out prompt of fewer tokens (trimmed) only matches a 
 # chat answers (a number: one token) are not indexed; its calls (``set_timer(minutes=57)``: 5 tokens), code
 # (``def f(x):return x+57``: 10) and JSON (12) are.
 MIN_ANSWER_TOKENS = 4
+# A fresh suite's held-out split is drawn whole for the exclusion predicate (every sample any champion's
+# seed could draw is held out); a generator giving this many items or more is refused for `fresh`.
+FRESH_SPLIT_LIMIT = 100_000
 
 Canonical = Callable[[list[dict[str, Any]]], Any]
 Suite = tuple[str, list[dict[str, Any]], "Canonical | None"]  # specialist, items, its source's canonical
 
 
-def _suites(contract: ContractSpec, contract_path: Path | None) -> list[Suite]:
-    """Every held-out suite: its specialist, its items (marked held-out) and its source's ``canonical``."""
-    from pipeline.contract import file_reader
+def fresh_seed(seed: int, epoch: int) -> int:
+    """The seed of a ``fresh`` suite's sample for the champion of generation ``epoch``: a hash of both, so each
+    champion gets its own sample, the same one every time it is evaluated against (in any lineage)."""
+    return int.from_bytes(hashlib.sha256(f"fresh:{seed}:{epoch}".encode()).digest()[:4], "big") >> 1
+
+
+def suite_sha256(items: list[dict[str, Any]]) -> str:
+    """A suite's identity in the spending ledger: the content hash of its resolved items (conversations and
+    metadata), whatever contract, lineage or file they came from. Order does not count: the same items
+    shuffled are the same suite (reordering a file buys no fresh error budget)."""
+    return content_hash(sorted(content_hash(item) for item in items))
+
+
+def _drawn(
+    contract: ContractSpec,
+    suite: HeldoutSuite | RetentionSuite,
+    read: Callable[[str], str],
+    *,
+    seed: int | None,
+    size: int | None,
+) -> tuple[list[dict[str, Any]], Canonical | None]:
+    """A suite's items (marked held-out) and its source's ``canonical``: a generated suite's generator's
+    ``heldout`` split, or a file suite (in the form of its specialist's generated tasks, when it has some)."""
     from pipeline.tasksource import canonical_of, draw, generator_source
 
+    if suite.generator is not None:
+        source = generator_source(suite.generator, specialist=suite.specialist, options=suite.options)
+        items, _ = draw(source, "heldout", int(size or 0), int(seed or 0))
+    else:
+        text = read(str(suite.sha256))
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        tasks = contract.specialists[suite.specialist].tasks
+        source = (
+            generator_source(tasks.generator, specialist=suite.specialist, options=tasks.options)
+            if tasks is not None and tasks.generator is not None
+            else None
+        )
+    for item in items:  # whatever the source, these are held-out items
+        item.setdefault("metadata", {})["split"] = "heldout"
+    return items, canonical_of(source)
+
+
+def _heldout(
+    contract: ContractSpec, read: Callable[[str], str], *, epoch: int | None, every: bool
+) -> list[Suite]:
+    """Every held-out suite: its specialist, its items and its source's ``canonical``. A ``fresh`` suite is
+    the sample of the champion of generation ``epoch`` (its own seed without one); with ``every``, the whole
+    held-out split it draws its samples from (what the exclusion predicate must hold out)."""
     out: list[Suite] = []
-    read = file_reader(contract, contract_path)
-    for suite in contract.heldout:
-        if suite.generator is not None:
-            source = generator_source(suite.generator, specialist=suite.specialist, options=suite.options)
-            items, _ = draw(source, "heldout", suite.size, suite.seed)
-        else:
-            text = read(suite.sha256)
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-            tasks = contract.specialists[suite.specialist].tasks
-            source = (  # a file suite is in the form of its specialist's generated tasks, when it has some
-                generator_source(tasks.generator, specialist=suite.specialist, options=tasks.options)
-                if tasks is not None and tasks.generator is not None
-                else None
+    for i, suite in enumerate(contract.heldout):
+        seed, size = suite.seed, suite.size
+        if suite.fresh and every:
+            size = FRESH_SPLIT_LIMIT
+        elif suite.fresh and epoch is not None and seed is not None:
+            seed = fresh_seed(seed, epoch)
+        items, canonical = _drawn(contract, suite, read, seed=seed, size=size)
+        if suite.fresh and canonical is None:
+            raise RatchetError(
+                f"heldout[{i}] ({suite.specialist}): `fresh: true` needs a task generator with a canonical form "
+                f"(canonical(messages)), and {suite.generator!r} has none: without it no exclusion check covers "
+                "every sample a fresh suite could draw"
             )
-        for item in items:  # whatever the source, these are held-out items
-            item.setdefault("metadata", {})["split"] = "heldout"
-        out.append((suite.specialist, items, canonical_of(source)))
+        if suite.fresh and every and len(items) >= FRESH_SPLIT_LIMIT:
+            raise RatchetError(
+                f"heldout[{i}] ({suite.specialist}): generator {suite.generator!r} gives {FRESH_SPLIT_LIMIT:,} or "
+                "more held-out items: too many to hold out every sample a fresh suite could draw; set `fresh: false`"
+            )
+        out.append((suite.specialist, items, canonical))
     return out
 
 
+def _retention(contract: ContractSpec, read: Callable[[str], str]) -> list[tuple[str, Suite]]:
+    """Every retention suite: its name, and its specialist, items and source's ``canonical``."""
+    out = []
+    for suite in contract.retention:
+        items, canonical = _drawn(contract, suite, read, seed=suite.seed, size=suite.size)
+        out.append((suite.name, (suite.specialist, items, canonical)))
+    return out
+
+
+def _suites(contract: ContractSpec, contract_path: Path | None) -> list[Suite]:
+    """What the exclusion predicate holds out: every held-out suite (all a fresh one could draw) and every
+    retention suite (labelled ``retention <name>``)."""
+    from pipeline.contract import file_reader
+
+    read = file_reader(contract, contract_path)
+    kept = [
+        (f"retention {name}", items, canonical) for name, (_, items, canonical) in _retention(contract, read)
+    ]
+    return _heldout(contract, read, epoch=None, every=True) + kept
+
+
 def resolve_suites(
-    contract: ContractSpec, *, contract_path: Path | None = None
+    contract: ContractSpec, *, contract_path: Path | None = None, epoch: int | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """Items of every held-out suite of the contract, per specialist. File suites come from the given
     contract file's directory (sha256-checked), or without one from the registry, which stored them at
-    registration; generated suites from their task generator's ``heldout`` split."""
+    registration; generated suites from their task generator's ``heldout`` split; a ``fresh`` suite is the
+    sample of the champion of generation ``epoch`` (``fresh_seed``; its own seed when None)."""
+    from pipeline.contract import file_reader
+
     suites: dict[str, list[dict[str, Any]]] = {}
-    for specialist, items, _ in _suites(contract, contract_path):
+    for specialist, items, _ in _heldout(
+        contract, file_reader(contract, contract_path), epoch=epoch, every=False
+    ):
         suites.setdefault(specialist, []).extend(items)
     return suites
+
+
+def resolve_retention(
+    contract: ContractSpec, *, contract_path: Path | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Items of every retention suite of the contract, by suite name (held out like ``resolve_suites``')."""
+    from pipeline.contract import file_reader
+
+    return {name: items for name, (_, items, _) in _retention(contract, file_reader(contract, contract_path))}
 
 
 @functools.lru_cache(maxsize=KEPT_TEXTS)
@@ -328,8 +418,8 @@ class HeldoutIndex:
 
 
 def _labelled(suites: list[Suite]) -> Iterator[tuple[str, dict[str, Any], Canonical | None]]:
-    """Every suite item with its label (``specialist #i``, numbered per specialist as ``resolve_suites``
-    lists them) and its source's canonical form."""
+    """Every suite item with its label (``specialist #i`` numbered per specialist, ``retention <name> #i``)
+    and its source's canonical form."""
     counts: dict[str, int] = {}
     for specialist, items, canonical in suites:
         for item in items:
@@ -339,8 +429,9 @@ def _labelled(suites: list[Suite]) -> Iterator[tuple[str, dict[str, Any], Canoni
 
 
 def heldout_prompts(contract: ContractSpec, *, contract_path: Path | None = None) -> list[tuple[str, str]]:
-    """``(label, text)`` of every held-out prompt of the contract: each user turn of each suite item and
-    each prompt of the routing suite (file suites as ``resolve_suites`` finds them)."""
+    """``(label, text)`` of every held-out prompt of the contract: each user turn of each item of each held-out
+    suite (all a fresh one could draw) and retention suite, and each prompt of the routing suite (file suites as
+    ``resolve_suites`` finds them)."""
     return _prompts(contract, _suites(contract, contract_path))
 
 

@@ -121,7 +121,9 @@ def init_lineage(
 
     Running it again with the same files is a no-op; with different files for an existing lineage it is
     refused (start another lineage with ``--lineage``). A model whose chat template rejects a feature the
-    harness uses is refused (``require_template``).
+    harness uses is refused (``require_template``), and so is a contract with a trained specialist that no
+    held-out suite judges and that does not say ``ungated: true``, or a suite that repeats an item
+    (``pipeline.suites.require_counted``).
     """
     from pipeline.compatibility import require_compatible
     from pipeline.contract import load_contract, verify_files
@@ -139,6 +141,7 @@ def init_lineage(
         store_file,
     )
     from pipeline.settings import get_settings
+    from pipeline.suites import require_counted
 
     contract = load_contract(contract_path)
     harness = load_harness(harness_path)
@@ -155,6 +158,8 @@ def init_lineage(
                 f"{model_path}: specialists {missing} have no entry in the {what} ({what} declares "
                 f"{', '.join(sorted(names))})"
             )
+    # every trained specialist judged by a held-out suite (or ungated, said), no suite repeating an item
+    require_counted(contract, where=str(contract_path), contract_path=contract_path, specialists=specialists)
     untasked = [
         s
         for s in specialists
@@ -215,7 +220,10 @@ def init_lineage(
         existing = list_generations(session=session, lineage=lineage)
         if existing:
             first = existing[0]
-            if (first.base_model_id, first.harness_version_id, first.contract_version_id) != (
+            # A champion moved by `ratchet contract adopt` keeps the version it started under in its record
+            adopted = (first.evaluation or {}).get("adoptions") or []
+            started = adopted[0]["from"]["id"] if adopted else first.contract_version_id
+            if (first.base_model_id, first.harness_version_id, started) != (
                 base.id,
                 hv.id,
                 cv.id,

@@ -262,6 +262,36 @@ class MLflowTracker:
             ):
                 raise
 
+    def generation_run(self, lineage: str, number: int) -> str:
+        """The run holding a generation's own metrics (tags ``kind=generation``, ``lineage``, ``generation``):
+        the one made before, else a new one (finished at once; metrics are added to it later)."""
+        tags = {"kind": "generation", "lineage": lineage, "generation": str(number)}
+        query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+        with self._reaching(f"finding the run of generation {number} of {lineage!r}"):
+            found = self.client.search_runs([self.experiment_id], filter_string=query, max_results=1)
+            if found:
+                return found[0].info.run_id
+            run = self.client.create_run(
+                self.experiment_id, run_name=f"{lineage}-generation-{number}", tags=tags
+            )
+            self.client.set_terminated(run.info.run_id, status="FINISHED")
+            return run.info.run_id
+
+    def log_generation_metrics(self, lineage: str, number: int, metrics: dict[str, float]) -> str:
+        """Log ``metrics`` (at step ``number``) to the generation's run; returns its id. A metric logged again
+        adds a point to its history; its latest value is the current one."""
+        import time
+
+        from mlflow.entities import Metric
+
+        run_id = self.generation_run(lineage, number)
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, number) for k, v in sorted(metrics.items())]
+        with self._reaching(f"logging the metrics of generation {number} of {lineage!r}"):
+            for at in range(0, len(batch), 1000):
+                self.client.log_batch(run_id, metrics=batch[at : at + 1000])
+        return run_id
+
     def alias_version(self, name: str, alias: str) -> str:
         """The version an alias points to (raises mlflow's error when unset)."""
         with self._reaching(f"reading alias {alias!r} of model {name!r}"):

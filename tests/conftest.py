@@ -150,7 +150,7 @@ def write_specs(
     tmp: Path, base: Path, *, heldout_size: int = 20, methods: dict[str, dict] | None = None
 ) -> dict[str, Path]:
     """A model spec on the small base (``methods``: per specialist, its method and settings; default sft)
-    and the demo contract with smaller held-out suites."""
+    and the demo contract with smaller held-out (and retention) suites."""
     model = {
         "name": "test-tiny",
         "base": {"path": str(base)},
@@ -165,7 +165,7 @@ def write_specs(
     }
     contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     contract["version"] = "test"
-    for suite in contract["heldout"]:
+    for suite in contract["heldout"] + contract.get("retention", []):
         suite["size"] = heldout_size
     paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
     paths["model"].write_text(yaml.safe_dump(model))
@@ -221,3 +221,14 @@ def ingest_corrections(path: Path, per_specialist: int = 12) -> None:
     engine = get_engine()
     result = ingest_file(path, session_factory=lambda: session_scope(engine), source="deployment")
     assert result.stored > 40 and result.quarantined == 0, result
+
+
+def run_cli(args: list[str]) -> int:
+    """``ratchet ARGS`` in this process; its exit code (a user's mistake exits 1 with one line on stderr)."""
+    from pipeline.cli import main
+
+    try:
+        main(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0

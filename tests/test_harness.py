@@ -187,7 +187,7 @@ def test_check_harness_reports_every_violation():
     assert "specialists.coding.exemplars[0].messages[0].role: 'developer' is not allowed" in text
     assert "specialists.coding.exemplars[1].messages[1]: calls unknown tool 'add_item'" in text
     assert len(problems) == 8
-    with pytest.raises(RatchetError, match=r"violates contract demo 3: .* \(and 7 more\)"):
+    with pytest.raises(RatchetError, match=r"violates contract demo 4: .* \(and 7 more\)"):
         require_compatible(mutated(break_it), DEMO_CONTRACT)
 
 

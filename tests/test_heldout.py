@@ -71,13 +71,15 @@ def test_the_predicate_reads_every_turn_and_every_part():
 # --------------------------------------------------------------------- the demo contract's predicate
 @pytest.fixture(scope="module")
 def demo_contract(tmp_path_factory):
-    """The demo contract with 20-item held-out suites (as the end-to-end tests register it)."""
+    """The demo contract with 20-item held-out suites, fixed rather than fresh."""
     from pipeline.contract import load_contract
 
     contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     contract["version"] = "test-heldout"
     for suite in contract["heldout"]:
-        suite["size"] = 20
+        # fixed samples: what each disguise is traced back to (a fresh suite holds out its whole split, and
+        # names the first item of it that matches; tests/test_ledger.py checks that)
+        suite["size"], suite["fresh"] = 20, False
     path = tmp_path_factory.mktemp("contract") / "contract.yaml"
     path.write_text(yaml.safe_dump(contract))
     return load_contract(path)

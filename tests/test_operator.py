@@ -73,7 +73,7 @@ def test_abandon_fails_the_candidate_counts_its_attempt_and_the_next_advance_sta
         second = list_generations(session=s)[2]
         assert second.parent_id == gen.parent_id
         # attempt 2 against generation 0: the abandoned candidate's test was spent (alpha spending)
-        assert second.evaluation["attempt"] == 2 and "attempt 2 since the last promotion" in second.decision
+        assert second.evaluation["attempt"] == 2 and "attempt 2 on its held-out suites" in second.decision
 
 
 def test_abandon_stops_a_run_still_building_the_candidate(lineage):

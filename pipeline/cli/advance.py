@@ -23,11 +23,13 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
     """The lineage as plain data (what `ratchet lineage --json` prints)."""
     from pipeline.discovery import discovery_summary
     from pipeline.registry import get_engine, list_generations, session_scope
+    from pipeline.transfer import lineage_matrix
 
     rows = []
     with session_scope(get_engine()) as session:
         gens = list_generations(session=session, lineage=lineage)
         numbers = {g.id: g.number for g in gens}
+        matrix = lineage_matrix(session, lineage, gens)
         for g in gens:
             ev = g.evaluation or {}
             steps = (g.state or {}).get("steps") or {}
@@ -47,6 +49,11 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "router_accuracy": (ev.get("router") or {}).get("accuracy"),
                     "attempt": ev.get("attempt"),
                     "unscored": ev.get("unscored") or {},  # held-out items left out: unscored on a pair
+                    # the accuracy matrix's row (held-out and retention suites) and backward transfer
+                    # (pipeline.transfer), and the KL of each specialist to the base and to its parent
+                    "accuracy": matrix["rows"][g.number],
+                    "backward_transfer": matrix["backward_transfer"][g.number],
+                    "divergence": ev.get("divergence") or {},
                     "curation": {
                         "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
                         "dropped": curate.get("dropped") or {},
@@ -115,6 +122,23 @@ def print_lineage(lineage: str) -> None:
     if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
         console = Console(width=160)
     console.print(table)
+    champion = next((r for r in rows if r["status"] == "promoted"), None)
+    if champion is not None and champion["backward_transfer"]:  # pipeline.transfer
+        console.print(
+            f"champion (generation {champion['generation']}) per suite, backward transfer since the suite was "
+            "first measured on its line: "
+            + ", ".join(
+                f"{suite} {champion['accuracy'][suite]:.3f} ({value:+.3f})"
+                for suite, value in sorted(champion["backward_transfer"].items())
+            ),
+            highlight=False,
+        )
+    if champion is not None and champion["divergence"]:  # pipeline.divergence
+        console.print(
+            "champion's mean per-token KL to the base model (nats, on its held-out answers): "
+            + ", ".join(f"{s} {d['kl_to_base']:.4f}" for s, d in sorted(champion["divergence"].items())),
+            highlight=False,
+        )
 
 
 @app.command("lineage")

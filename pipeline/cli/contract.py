@@ -67,11 +67,16 @@ def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[
         return [str(i) for i in exc.issues], None, kind
     issues: list[str] = []
     if kind == "contract":
+        from pipeline.suites import suite_problems
+
+        # linted as a contract a lineage starts on: every specialist is judged by a suite or says it is not
+        issues += [f"{path}: {problem}" for problem in spec.ungated_problems()]
         try:
             verify_files(spec, path)
             from pipeline.lineage import require_clean_tasks
 
             require_clean_tasks(spec, contract_path=path)  # generators exist, task files parse, none held out
+            issues += [f"{path}: {problem}" for problem in suite_problems(spec, contract_path=path)]
         except RatchetError as exc:
             issues.append(str(exc))
     if kind == "harness" and contract is not None:
@@ -270,3 +275,42 @@ def score(
     ]
     if errors:
         console.print(f"[dim]{len(errors)} scorer messages; first: {errors[0]}[/dim]", highlight=False)
+
+
+@contract_app.command("adopt")
+def adopt(
+    contract_file: Path = typer.Argument(..., help="The new version of the lineage's contract (YAML)."),
+    lineage: str = typer.Option("main", "--lineage", help="The lineage that moves to it."),
+    reason: str = typer.Option("contract adopted", "--reason", help="Why (kept in the audit log)."),
+    release: list[str] = typer.Option(
+        [],
+        "--release",
+        help="A retention suite of the current version to give up instead of carrying it (repeatable).",
+    ),
+) -> None:
+    """Move a lineage to a new version of its contract without starting over: the suites the new version drops
+    become retention suites, experience is scored under it, the champion is re-evaluated on its suites and
+    moves to it (audited); the next `ratchet advance` builds and judges candidates under it."""
+    from rich.progress import Progress
+
+    from pipeline.adoption import adopt_contract
+    from pipeline.cli.advance import ensure_base_model
+    from pipeline.errors import RatchetError
+
+    if not reason.strip() or len(reason) > 500:
+        raise RatchetError("--reason: give one, of at most 500 characters")
+    ensure_base_model(lineage)  # the champion answers its new suites
+    with Progress(transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total or None)
+            bar.update(tasks[phase], completed=done, total=total or None)
+
+        result = adopt_contract(
+            contract_path=contract_file, lineage=lineage, actor="cli", reason=reason, release=release,
+            progress=progress,
+        )  # fmt: skip
+    for line in result.describe():
+        typer.echo(line)

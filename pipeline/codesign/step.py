@@ -93,10 +93,10 @@ def codesign_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
+    from pipeline.answers import score_pair
     from pipeline.codesign.operators import propose_variants
     from pipeline.compatibility import check_harness
     from pipeline.eligibility import eligible_examples, lineage_candidates
-    from pipeline.evaluation import score_pair
     from pipeline.heldout import heldout_index
     from pipeline.pair import pair_for_generation
     from pipeline.registry import get_engine, register_harness, session_scope

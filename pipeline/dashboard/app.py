@@ -144,7 +144,11 @@ def create_app(
         return register
 
     def lineage_charts(data: dict[str, Any]) -> dict[str, Any]:
-        return {"tree": charts.lineage_svg(data["generations"])}
+        matrix = data["matrix"]
+        return {
+            "tree": charts.lineage_svg(data["generations"]),
+            "matrix_chart": charts.matrix_svg(matrix["suites"], matrix["rows"]),
+        }
 
     @both("/", "lineage.html", charts_for=lineage_charts)
     def lineage_view(db: DB, lineage: Lineage = lineage_name) -> dict[str, Any]:
@@ -231,6 +235,21 @@ def create_app(
                 ],
             )
             for s, points in sorted(data["scores"].items())
+        ] + [  # retention suites beside the held-out ones (pipeline.retention)
+            charts.Series(
+                f"retention: {name}",
+                [
+                    charts.LinePoint(
+                        p["generation"],
+                        p["score"],
+                        p["low"],
+                        p["high"],
+                        f"retention {name} gen {p['generation']} ({p['status']}): {p['score']:.3f}",
+                    )
+                    for p in points
+                ],
+            )  # fmt: skip
+            for name, points in sorted((data.get("retention") or {}).items())
         ]
         router = [
             charts.Series(
@@ -240,7 +259,7 @@ def create_app(
         return {
             "score_chart": charts.line_chart_svg(
                 series,
-                title="held-out score per specialist (95% intervals)",
+                title="held-out score per specialist, and retention suites (95% intervals)",
                 x_label="generation",
                 y_label="score",
                 y_range=(0.0, 1.0),

@@ -1,4 +1,5 @@
-"""Charts drawn on the server as SVG: the lineage tree, line charts with interval whiskers, a confusion matrix.
+"""Charts drawn on the server as SVG: the lineage tree, line charts with interval whiskers, a confusion matrix,
+the accuracy matrix (a heat map).
 
 Written by hand rather than with a plotting library: the pages must work offline with no script, and an
 SVG of a few dozen elements is less code than adapting matplotlib's output to a strict Content-Security-
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-__all__ = ["LinePoint", "Series", "confusion_svg", "line_chart_svg", "lineage_svg"]
+__all__ = ["LinePoint", "Series", "confusion_svg", "line_chart_svg", "lineage_svg", "matrix_svg"]
 
 STATUS_FILL = {
     "promoted": "#1a7f37",
@@ -264,6 +265,72 @@ def confusion_svg(confusion: Mapping[str, Mapping[str, int]], *, title: str = "r
                 f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}" '
                 f'fill-opacity="{opacity:.2f}"/><text x="{_f(x + cell / 2 - 1)}" y="{_f(y + cell / 2 + 4)}" '
                 f'font-size="11" text-anchor="middle" fill="{ink}">{v}</text>'
+            )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def _heat(value: float) -> str:
+    """A score in [0, 1] as a colour from red (0) through amber to green (1)."""
+    v = min(1.0, max(0.0, value))
+    stops = ((0.0, (207, 34, 46)), (0.5, (191, 135, 0)), (1.0, (26, 127, 55)))
+    for (a, ca), (b, cb) in zip(stops, stops[1:], strict=False):
+        if v <= b:
+            t = (v - a) / (b - a)
+            return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb, strict=True))
+    return "#1a7f37"
+
+
+def matrix_svg(
+    suites: Sequence[str],
+    rows: Sequence[Mapping],
+    *,
+    title: str = "accuracy matrix",
+    link: str = "/generations/{number}",
+) -> Markup:
+    """The accuracy matrix as a heat map: one row per generation (``rows``: dicts with ``generation``,
+    ``status``, ``champion`` and ``scores``, one score or None per suite), one column per suite; each cell
+    coloured by its score (red 0, green 1) and labelled with it, blank where the suite was not measured; a
+    row's label links to its generation and marks the champion."""
+    if not suites or not rows:
+        return Markup(f'<p class="empty">{escape(title)}: nothing measured yet.</p>')
+    cell_w, cell_h, left, top = 74, 22, 96, 110
+    # the column labels lean right at 40 degrees: room for the last one's length beyond the grid
+    overhang = max(0, int(max(len(s) for s in suites[-3:]) * 5.2) - cell_w)
+    width, height = left + len(suites) * cell_w + overhang + 10, top + len(rows) * cell_h + 10
+    parts = [
+        f'<svg class="chart matrix" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'role="img" aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+        f'<text x="4" y="14" font-size="12" font-weight="bold">{escape(title)}</text>',
+    ]
+    for j, suite in enumerate(suites):
+        x = left + j * cell_w + cell_w / 2
+        parts.append(
+            f'<text x="{_f(x)}" y="{top - 6}" font-size="10" text-anchor="start" class="suite" '
+            f'transform="rotate(-40 {_f(x)} {top - 6})">{escape(suite)}</text>'
+        )
+    for i, row in enumerate(rows):
+        y = top + i * cell_h
+        number = int(row["generation"])
+        star = " ★" if row.get("champion") else ""
+        parts.append(
+            f'<a href="{escape(link.format(number=number))}"><text x="{left - 6}" y="{_f(y + cell_h / 2 + 4)}" '
+            f'font-size="11" text-anchor="end">gen {number}{star}</text></a>'
+        )
+        for j, value in enumerate(row["scores"]):
+            x = left + j * cell_w
+            if value is None:
+                parts.append(
+                    f'<rect x="{x}" y="{y}" width="{cell_w - 2}" height="{cell_h - 2}" fill="#f6f8fa"/>'
+                )
+                continue
+            tip = escape(f"generation {number}, {suites[j]}: {value:.3f}")
+            parts.append(
+                f'<g class="cell" data-generation="{number}" data-suite="{escape(suites[j])}" '
+                f'data-score="{value:.4f}"><rect x="{x}" y="{y}" width="{cell_w - 2}" height="{cell_h - 2}" '
+                f'fill="{_heat(value)}"><title>{tip}</title></rect><text x="{_f(x + cell_w / 2 - 1)}" '
+                f'y="{_f(y + cell_h / 2 + 4)}" font-size="11" text-anchor="middle" fill="#fff">{value:.3f}</text>'
+                "</g>"
             )
     parts.append("</svg>")
     return Markup("".join(parts))

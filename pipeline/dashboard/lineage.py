@@ -14,6 +14,7 @@ from sqlalchemy.orm import selectinload
 
 from pipeline import discovery
 from pipeline.errors import NotFoundError
+from pipeline.transfer import matrix_view, measured
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -55,6 +56,14 @@ def _summarise(gen: Generation) -> dict[str, Any]:
         "attempt": ev.get("attempt"),
         "means": {s: _mean_interval(v.get("candidate") or []) for s, v in items.items()},
         "parent_means": {s: _mean_interval(v.get("parent") or []) for s, v in items.items()},
+        "retention": {
+            n: _mean_interval(r.get("candidate") or []) for n, r in (ev.get("retention") or {}).items()
+        },
+        "parent_retention": {
+            n: _mean_interval(r.get("parent") or []) for n, r in (ev.get("retention") or {}).items()
+        },
+        "measured": measured(ev, "candidate"),  # the accuracy matrix's cells (pipeline.transfer)
+        "parent_measured": measured(ev, "parent"),
         "router": (ev.get("router") or {}).get("accuracy"),
         "parent_router": (ev.get("parent_router") or {}).get("accuracy"),
         "trained": bool((steps.get("train") or {}).get("adapters")),
@@ -133,6 +142,7 @@ def lineage_overview(*, session: Session, lineage: str) -> dict[str, Any]:
     return {
         "lineage": lineage,
         "generations": nodes,
+        "matrix": matrix_view(gens, nodes, champion["number"] if champion else None),
         "champion": champion["number"] if champion else None,
         "first_overall": first["overall"],
         "champion_overall": champion["overall"] if champion else None,
@@ -181,6 +191,7 @@ def generation_detail(
         for d in session.scalars(select(TrainingDataset).where(TrainingDataset.generation_id == gen.id))
     }
     trained = set(((steps.get("train") or {}).get("adapters") or {}).keys())
+    ungated = {name for name, spec in contract.specialists.items() if spec.ungated}
     adapters = []
     for slot in gen.adapters:
         a = slot.adapter
@@ -192,6 +203,8 @@ def generation_detail(
                 "adapter_id": a.id if a else None,
                 "version": a.version if a else None,
                 "new": slot.specialist in trained,
+                # no held-out suite judges it (the contract says `ungated: true`): no gate of its own
+                "ungated": slot.specialist in ungated,
                 "rank": a.rank if a else None,
                 "sha256": a.sha256 if a else None,
                 "method": a.method if a else None,
@@ -207,6 +220,9 @@ def generation_detail(
             }
         )
     comparison = ev.get("comparison") or {}
+    verdict = ev.get("verdict") or {}
+    # the gate's own non-inferiority results where the verdict has them (older verdicts: the t bound)
+    tested = {t["test"]: t["passed"] for t in verdict.get("tests") or []}
     z95 = 1.959963984540054
     specialists = []
     for s, c in sorted((comparison.get("specialists") or {}).items()):
@@ -224,10 +240,9 @@ def generation_detail(
                 "interval": [c["delta"] - half, c["delta"] + half],
                 "floor": floor,
                 "tolerance": gates.tolerance(s),
-                "passes_tolerance": floor > -gates.tolerance(s),
+                "passes_tolerance": tested.get(f"noninferiority:{s}", floor > -gates.tolerance(s)),
             }
         )
-    verdict = ev.get("verdict") or {}
     curate = steps.get("curate") or {}
     kept = {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()}
     dropped = curate.get("dropped") or {}
@@ -267,12 +282,14 @@ def generation_detail(
             "delta": comparison.get("delta"),
             "se": comparison.get("se"),
             "attempt": ev.get("attempt"),
+            "ungated": sorted(ungated & {slot.specialist for slot in gen.adapters}),
         },
         "verdict": {
             "decision": gen.decision,
             "promote": verdict.get("promote"),
             "rate": verdict.get("rate"),
             "lower": verdict.get("lower"),
+            "tests": verdict.get("tests") or [],
             "min_improvement": gates.min_improvement,
             "false_promotion_rate": gates.false_promotion_rate,
             "reasons": verdict.get("reasons") or split_reasons(gen.decision),
@@ -356,4 +373,25 @@ def trends(*, session: Session, lineage: str) -> dict[str, Any]:
             point(s, g["number"], m, g["status"])
         if g["router"] is not None and g["means"]:
             router.append({"generation": g["number"], "accuracy": g["router"], "status": g["status"]})
-    return {"lineage": lineage, "scores": scores, "router": router}
+    # retention suites beside them: each generation's own measurement; one measured only as a parent (generation
+    # 0, or a champion older than the suite) from the first child that measured it
+    retention: dict[str, list[dict[str, Any]]] = {}
+
+    def kept(name: str, number: int, m: tuple[float, float, float], status: str) -> None:
+        retention.setdefault(name, []).append(
+            {"generation": number, "score": m[0], "low": m[1], "high": m[2], "status": status}
+        )
+
+    done = {(name, g["number"]) for g in gens for name, m in g["retention"].items() if m}
+    for g in gens:
+        for name, m in g["retention"].items():
+            if m:
+                kept(name, g["number"], m, g["status"])
+        parent = numbers.get(g["parent_id"])
+        for name, m in g["parent_retention"].items():
+            if m and parent is not None and (name, parent) not in done:
+                done.add((name, parent))
+                kept(name, parent, m, "parent")
+    for points in retention.values():
+        points.sort(key=lambda p: p["generation"])
+    return {"lineage": lineage, "scores": scores, "router": router, "retention": retention}

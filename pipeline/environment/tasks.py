@@ -141,11 +141,30 @@ def sample_prompts(family: str, n: int, seed: int, split: str = "train") -> list
 
 
 def heldout_suite(family: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` distinct held-out items of ``family`` (all held-out pairs when ``n`` exceeds them)."""
+    """``n`` held-out items of ``family``, each a distinct problem (all held-out problems when ``n`` exceeds
+    them)."""
     rng = random.Random(f"heldout:{family}:{seed}")
     pairs = _pairs("heldout")
     chosen = rng.sample(pairs, min(n, len(pairs)))
-    return [make_item(family, a, b, variant=rng.randrange(12)) for a, b in chosen]
+    variants = [rng.randrange(12) for _ in chosen]
+    # ``a+b`` and ``b+a`` are one problem, and a suite holding both would count it twice (``ratchet init``
+    # refuses repeated held-out items, ``pipeline.suites``): a repeat is replaced by a problem not drawn, from
+    # a stream of its own, so every other item stays what this seed has always drawn
+    drawn = {(min(a, b), max(a, b)) for a, b in chosen}
+    spare = random.Random(f"heldout-spare:{family}:{seed}")
+    unused = [p for p in pairs if p[0] <= p[1] and p not in drawn]
+    spare.shuffle(unused)
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for (a, b), variant in zip(chosen, variants, strict=True):
+        if (min(a, b), max(a, b)) in seen:
+            if not unused:  # every held-out problem is in the suite already
+                continue
+            low, high = unused.pop()
+            a, b = (high, low) if spare.random() < 0.5 else (low, high)
+        seen.add((min(a, b), max(a, b)))
+        out.append(make_item(family, a, b, variant=variant))
+    return out
 
 
 def training_corpus(n: int, seed: int, families: tuple[str, ...] = FAMILIES) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from pipeline.registry.keys import (
     list_api_keys,
     revoke_api_key,
 )
+from pipeline.registry.ledger import attempts_on, samples_of, spend, spent_on
 from pipeline.registry.models import (
     Adapter,
     ApiKey,
@@ -48,6 +49,8 @@ from pipeline.registry.models import (
     Score,
     ScoreHistory,
     StoredFile,
+    SuiteAttempt,
+    SuiteItem,
     TrainingDataset,
 )
 from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
@@ -82,10 +85,13 @@ __all__ = [
     "Score",
     "ScoreHistory",
     "StoredFile",
+    "SuiteAttempt",
+    "SuiteItem",
     "TraceRow",
     "TrainingDataset",
     "active_principals",
     "attach_feedback",
+    "attempts_on",
     "audit",
     "count_active_keys",
     "create_adapter",
@@ -115,6 +121,9 @@ __all__ = [
     "revoke_api_key",
     "rollback_champion",
     "session_scope",
+    "spend",
+    "samples_of",
+    "spent_on",
     "supersede_scores",
     "set_generation_adapter",
     "set_generation_status",

@@ -259,8 +259,8 @@ def rollback_champion(*, session: Session, lineage: str = "main", actor: str = "
 def abandon_generation(*, session: Session, lineage: str = "main", reason: str, actor: str) -> Generation:
     """Fail the lineage's in-flight candidate for ``reason`` (audited), so that the next ``ratchet advance``
     starts a new one. Its lease is cleared: a run still building it loses the lease and stops at its next
-    write (``lease.LeaseLostError``). An evaluated candidate stays an attempt against its parent
-    (``evaluation.attempt_number``): its comparison was made, whatever became of it."""
+    write (``lease.LeaseLostError``). An evaluated candidate's tests stay spent on its suites (the spending
+    ledger, ``pipeline.registry.ledger``): its comparison was made, whatever became of it."""
     hold_lock(session=session, key=f"lineage:{lineage}")
     gen = session.scalar(
         _load(session)

@@ -392,6 +392,46 @@ class EvaluationItem(Base):
     candidate_value: Mapped[float] = mapped_column(Float)
 
 
+class SuiteAttempt(Base):
+    """The spending ledger: one test a generation's evaluation made on one suite (by the content hash of its
+    resolved items), whatever the lineage, champion or contract version. A test's ``attempt`` counts the
+    earlier tests of its kind on any suite sharing an item with it (``SuiteItem``), and it is made at its
+    rate ``* 6 / (pi**2 * attempt**2)``, so the rate holds per item over every test that ever used it
+    (``pipeline.registry.ledger``). Rows are written once and never changed by a later promotion, rollback
+    or contract adoption: that is what keeps the error rate from being reset."""
+
+    __tablename__ = "suite_attempts"
+    __table_args__ = (UniqueConstraint("suite_sha256", "test", "generation_id"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    suite_sha256: Mapped[str] = mapped_column(String(64))
+    # ``improvement``, ``noninferiority:<specialist>`` or ``retention:<suite name>``
+    test: Mapped[str] = mapped_column(String(150))
+    generation_id: Mapped[int] = mapped_column(ForeignKey("generations.id"), index=True)
+    lineage: Mapped[str] = mapped_column(String(100))
+    generation_number: Mapped[int] = mapped_column(Integer)
+    # the contract version the generation was evaluated under (a lineage may adopt another one later)
+    contract_version_id: Mapped[int] = mapped_column(ForeignKey("contract_versions.id"))
+    attempt: Mapped[int] = mapped_column(Integer)  # j: the test's attempt number (the same on all its suites)
+    # A fresh suite's samples are one family (the hash of its declaration; otherwise the suite's own hash), and
+    # ``sample`` is this suite's number e in it: the improvement test on the e-th sample spends 6/(pi^2 e^2) of
+    # the rate, so drawing new samples keeps the lineage-wide bound
+    family: Mapped[str] = mapped_column(String(64))
+    sample: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class SuiteItem(Base):
+    """One item of a suite the ledger has seen, by its item key (``pipeline.registry.ledger.item_key``: the
+    hash of the item's prompts as the duplicate check compares them, so metadata, whitespace, case and NFKC
+    differences are the same item). Written once per suite, when a test first spends on it: the ledger counts
+    tests per item, so a suite that shares items with one tested before (a bigger ``size``, a suite added
+    beside it, a ``metadata.group`` added) continues their count instead of starting a fresh budget."""
+
+    __tablename__ = "suite_items"
+    suite_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    item_key: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+
+
 class ApiKey(Base):
     """An API key of ``ratchet serve``: its name (the principal), scopes and sha256; never its value."""
 

@@ -78,6 +78,15 @@ def test_generation_detail_has_the_decision_evidence(client, read_settings):
         assert r["interval"][0] <= r["delta"] <= r["interval"][1]
     assert data["verdict"]["decision"] == decision and data["verdict"]["reasons"]
     assert data["verdict"]["reasons"][0].startswith("overall ")  # a reason keeps its parenthesis whole
+    # the gate's own tests, as judged: the improvement test and one non-inferiority test per specialist (and
+    # the demo's retention suite), each with its p-value, the rate its attempt could spend and the outcome;
+    # the table's non-inferiority column says what the gate decided, not a t bound beside it
+    tests = {t["test"]: t for t in data["verdict"]["tests"]}
+    assert tests.keys() >= {"improvement", *(f"noninferiority:{s}" for s in held)}
+    assert tests["improvement"] == ev["verdict"]["tests"][0] and all(0 <= t["p"] <= 1 for t in tests.values())
+    assert all(r["passes_tolerance"] == tests[f"noninferiority:{s}"]["passed"] for s, r in held.items())
+    page = client.get("/generations/1").text
+    assert 'id="gate-tests"' in page and all(name in page for name in tests)
     adapters = {a["specialist"]: a for a in data["adapters"]}
     for s, rows in datasets.items():
         a = adapters[s]

@@ -116,3 +116,36 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         page.screenshot(path=str(shots / "audit.png"), full_page=True)
     assert not [e for e in errors if "Content Security Policy" not in e], errors
     assert len(list(shots.glob("*.png"))) == 8
+
+
+def test_the_lineage_page_shows_the_accuracy_matrix(browser, read_settings, tmp_path):
+    """The accuracy matrix as a heat map on the lineage page: a row per measured generation, a column per
+    held-out and retention suite (the demo contract's retention suite is in the test lineage's contract),
+    each measured cell coloured and labelled with its score; the champion's backward transfer beside it; and
+    the trends page draws the retention suite beside the held-out scores."""
+    with ServerThread(create_app(read_settings)) as srv:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(srv.url + "/")
+        matrix = page.locator("svg.matrix")
+        assert matrix.is_visible()
+        suites = matrix.locator("text.suite").all_text_contents()  # SVG: no innerText
+        assert {s for s in suites if s.startswith("heldout:")} == {
+            f"heldout:{s}" for s in ("agent", "chat", "coding", "genui")
+        }
+        retention = [s for s in suites if s.startswith("retention:")]
+        assert retention, suites
+        cells = matrix.locator("g.cell")
+        generations = {cells.nth(i).get_attribute("data-generation") for i in range(cells.count())}
+        assert generations == {"0", "1", "2"}  # generation 0 measured as the first candidate's parent
+        cell = matrix.locator(f'g.cell[data-generation="0"][data-suite="{retention[0]}"]')
+        score = float(cell.get_attribute("data-score"))
+        assert 0.0 <= score <= 1.0 and cell.locator("text").text_content() == f"{score:.3f}"
+        assert cell.locator("rect").get_attribute("fill").startswith("#")
+        transfer = page.locator("#backward-transfer").inner_text()
+        assert retention[0] in transfer and "generation 0" in transfer
+        page.screenshot(path=str(tmp_path / "matrix.png"), full_page=True)
+        page.goto(srv.url + "/trends")
+        assert (
+            f"retention: {retention[0].removeprefix('retention:')}"
+            in page.locator("svg.chart").first.inner_html()
+        )

@@ -32,6 +32,8 @@ TABLES = {
     "evaluation_items",
     "audit_log",
     "api_keys",
+    "suite_attempts",
+    "suite_items",
 }
 
 
@@ -117,7 +119,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0009" in capsys.readouterr().out
+    assert "revision 0010" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
@@ -223,7 +225,7 @@ def test_served_turns_before_0007_keep_what_their_clients_sent_apart(empty_url):
 
 
 # ---- every step up and down with rows in every table ---------------------------------------------------------
-REVISIONS = [f"{n:04d}" for n in range(1, 10)]
+REVISIONS = [f"{n:04d}" for n in range(1, 11)]
 T0 = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
 
 
@@ -303,6 +305,11 @@ def _seed_rows(k: int) -> dict[str, list[dict]]:
                            details='{"to": "training"}', message=None)],
         "api_keys": [dict(id=i, name=f"client-{k}", key_sha256=h("key"), scopes='["chat", "rate"]', created_at=at,
                           revoked_at=None)],
+        "suite_attempts": [dict(id=row, suite_sha256=h("suite"), test=test, generation_id=i + 1, lineage=f"l{k}",
+                                generation_number=1, contract_version_id=i, attempt=1, created_at=at,
+                                family=h("suite"), sample=1)
+                           for row, test in ((i, "improvement"), (i + 1, "noninferiority:chat"))],
+        "suite_items": [dict(suite_sha256=h("suite"), item_key=h(f"item{n}")) for n in range(3)],
     }  # fmt: skip
 
 
@@ -410,6 +417,68 @@ def test_quarantined_lines_from_before_0009_are_known_by_their_content_where_it_
     finally:
         engine.dispose()
     assert got == {1: hashlib.sha256(whole.encode()).hexdigest(), 2: None, 3: None, 4: None}
+
+
+def test_the_spending_ledger_outlives_nothing_it_counts(empty_url):
+    """0010's ledger rows name the generation that spent: that generation cannot be deleted from under them
+    (the spending would silently restart), a suite's items are kept once per item, and a downgrade past
+    0010 drops the ledger and its items alone."""
+    from sqlalchemy.exc import IntegrityError
+
+    upgrade_db(empty_url, "0009")
+    _seed(empty_url, 1)
+    upgrade_db(empty_url)
+    _seed(empty_url, 2)
+    engine = make_engine(empty_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT generation_id, test, attempt FROM suite_attempts ORDER BY id")
+            ).all()
+        assert [tuple(r) for r in rows] == [(201, "improvement", 1), (201, "noninferiority:chat", 1)]
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(text("DELETE FROM generations WHERE id = 201"))
+        with engine.connect() as conn:
+            items = conn.execute(text("SELECT suite_sha256, item_key FROM suite_items")).all()
+        suite = _seed_rows(2)["suite_attempts"][0]["suite_sha256"]
+        assert len(items) == 3 and {r[0] for r in items} == {suite}
+        with pytest.raises(IntegrityError), engine.begin() as conn:  # one row per item of a suite
+            conn.execute(text("INSERT INTO suite_items (suite_sha256, item_key) VALUES (:s, :k)"),
+                         {"s": items[0][0], "k": items[0][1]})  # fmt: skip
+    finally:
+        engine.dispose()
+    before = _snapshot(empty_url)
+    downgrade_db(empty_url, "0009")
+    after = _snapshot(empty_url)
+    assert {"suite_attempts", "suite_items"}.isdisjoint(after)
+    assert after["generations"] == before["generations"]
+    upgrade_db(empty_url)  # and up again: empty, ready to count
+    assert _snapshot(empty_url)["suite_items"] == {}
+
+
+def test_a_lineage_tested_before_0010_does_not_start_its_spending_again(empty_url):
+    """0010 enters no ledger rows for generations evaluated before it; after the upgrade, the lineage's next
+    evaluation counts each of them (a comparison, no ``suites``) as one earlier test on its suites."""
+    from pipeline.registry import Generation, session_scope, spend
+
+    upgrade_db(empty_url, "0009")
+    _seed(empty_url, 1)  # lineage l1: champion 100, candidate 101
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE generations SET evaluation = :ev, status = 'rejected' WHERE id = 101"),
+                         {"ev": json.dumps({"comparison": {"specialists": {}}, "attempt": 1})})  # fmt: skip
+        upgrade_db(empty_url)
+        with session_scope(engine) as s:
+            gen = Generation(lineage="l1", number=2, parent_id=100, base_model_id=100, harness_version_id=100,
+                             contract_version_id=100, status="evaluating")  # fmt: skip
+            s.add(gen)
+            s.flush()
+            got = spend(s, generation_id=gen.id, lineage="l1", tests={"improvement": ["s" * 64]},
+                        items={"s" * 64: ["an item"]})  # fmt: skip
+    finally:
+        engine.dispose()
+    assert got == {"improvement": 2}
 
 
 # ---- pytest-alembic's own checks: one head, every step up and down, models match the migrations ---------------
