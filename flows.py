@@ -368,9 +368,9 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
 
     Each row's interval is a two-sided t interval at ``1 - 2 alpha`` (per specialist alpha is the contract's
     ``regression_error_rate``, overall the rate the improvement test used), a description of the delta; the
-    gates are the verdict's own tests (``evaluation["verdict"]["tests"]``: exact or Monte Carlo sign-flip
-    tests, each at the rate its attempt on its suite may spend), then the KL budget, the item count and
-    routing."""
+    gates are the verdict's own tests (``evaluation["verdict"]["tests"]``: the sign-flip improvement test and
+    the betting non-inferiority tests, each at the rate its attempt on its suite may spend), then the KL
+    budget, the item count and routing."""
     from pipeline.candidate import contract_of
     from pipeline.promotion import t_quantile
     from pipeline.registry import get_engine, get_generation, session_scope
@@ -406,7 +406,7 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
     # the gate's own tests (sign-flip permutation tests, each at the rate its attempt on the suite may spend);
     # the rows' t intervals above describe the deltas, they decide nothing
     for test in verdict.get("tests", []):
-        how = "exact" if test["method"] == "exact" else f"Monte Carlo +-{test['mc_error']:.4f}"
+        how = f"Monte Carlo +-{test['mc_error']:.2g}" if test["method"] == "monte carlo" else test["method"]
         margin = f", margin {test['margin']:+g}" if test["margin"] else ""
         setting = f"p <= {test['rate']:.4g} (attempt {test['attempt']} on its suite{margin})"
         measured = f"p = {test['p']:.4g} ({how}, {test['units']} units)"

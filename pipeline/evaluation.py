@@ -65,7 +65,7 @@ def spend_attempts(
 
     tests = {"improvement": sorted(set(suites.values()))}
     tests |= {f"noninferiority:{s}": [digest] for s, digest in suites.items()}
-    keys = {digest: item_keys(items[s]) for s, digest in suites.items()}
+    keys = {digest: item_keys(items[s], s) for s, digest in suites.items()}
     with session_scope(get_engine()) as session:
         spent = spend(
             session, generation_id=generation_id, lineage=lineage, tests=tests, items=keys, families=families

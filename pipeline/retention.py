@@ -126,7 +126,7 @@ def spend_retention(
             generation_id=generation_id,
             lineage=lineage,
             tests={f"retention:{name}": [r["sha256"]] for name, r in retention.items()},
-            items={r["sha256"]: item_keys(items[name]) for name, r in retention.items()},
+            items={r["sha256"]: item_keys(items[name], r["specialist"]) for name, r in retention.items()},
         )
     return {name: int(spent[f"retention:{name}"]) for name in retention}
 

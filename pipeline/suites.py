@@ -319,13 +319,16 @@ def require_gated(generation: Generation, *, lineage: str) -> None:
         )
 
 
-def item_key(item: Mapping[str, Any]) -> str:
+def item_key(item: Mapping[str, Any], specialist: str | None = None) -> str:
     """An item's identity in the ledger: the hash of its prompts as the duplicate check compares them
-    (``prompt_form``); an item without prompt text, of its messages."""
+    (``prompt_form``; an item without prompt text, of its messages) and of the specialist that answers it. The
+    same prompt answered by another specialist (a retention suite drawn from another family's split) is
+    another test, and does not spend that specialist's budget."""
     form = prompt_form(dict(item))
-    return content_hash(form if form else {"messages": item.get("messages")})
+    key = form if form else {"messages": item.get("messages")}
+    return content_hash(key if specialist is None else {"specialist": specialist, "item": key})
 
 
-def item_keys(items: Sequence[Mapping[str, Any]]) -> list[str]:
+def item_keys(items: Sequence[Mapping[str, Any]], specialist: str | None = None) -> list[str]:
     """``item_key`` of each item, in order."""
-    return [item_key(item) for item in items]
+    return [item_key(item, specialist) for item in items]

@@ -197,7 +197,7 @@ def test_advance_generation_deployment_runs_on_both_pools(lineage, cluster):
     assert markdown.startswith(f"# main generation 1: {status}") and decision in markdown
     assert all(reason in markdown for reason in verdict["reasons"])
     gates = [line for line in markdown.splitlines() if line.endswith(("| pass |", "| **fail** |"))]
-    assert {g.split(" | ")[0] for g in gates} >= {"| improvement", "| no regression: chat", "| routing"}, (
+    assert {g.split(" | ")[0] for g in gates} >= {"| improvement", "| noninferiority:chat", "| routing"}, (
         markdown
     )
     assert any("**fail**" in g for g in gates) == (status == "rejected")  # the gates agree with the decision

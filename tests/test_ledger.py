@@ -269,15 +269,21 @@ def test_retention_shares_noninferiority_budget_by_items(registry_url, monkeypat
         for n in (1, 2):
             with session_scope(engine) as s:
                 spend(s, generation_id=ids[("main", n)], lineage="main", tests={"noninferiority:coding": [h]},
-                      items={h: item_keys(heldout)})  # fmt: skip
+                      items={h: item_keys(heldout, "coding")})  # fmt: skip
     finally:
         engine.dispose()
     kept = _grouped(heldout)
-    record = {"coding-v1": {"sha256": suite_sha256(kept)}}
+    record = {"coding-v1": {"sha256": suite_sha256(kept), "specialist": "coding"}}
     assert record["coding-v1"]["sha256"] != h
     got = spend_retention(generation_id=ids[("main", 3)], retention=record, items={"coding-v1": kept})
     assert got == {"coding-v1": 3}
     assert spend_retention(generation_id=ids[("main", 3)], retention=record, items={"coding-v1": kept}) == got
+    # the same prompts answered by another specialist (the demo's coding-keeps-sums asks chat's sums of the
+    # coding adapter) are another test: they spend nothing of coding's held-out budget, nor it of theirs
+    other = {"chat-asked": {"sha256": "b" * 64, "specialist": "chat"}}
+    assert spend_retention(generation_id=ids[("main", 3)], retention=other, items={"chat-asked": kept}) == {
+        "chat-asked": 1
+    }
 
 
 def test_generations_evaluated_before_the_ledger_count_as_earlier_tests(engine):

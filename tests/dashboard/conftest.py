@@ -100,6 +100,12 @@ def dashboard_home(tmp_path_factory, small_base) -> Path:
         for spec in model["specialists"].values():  # enough steps that candidates differ from their parent
             spec["training"] = {"epochs": 30, "batch_size": 4, "lr": 0.003}
         specs["model"].write_text(yaml.safe_dump(model))
+        # fixed held-out samples: the items on which this fixture's candidates are known to differ from their
+        # parent (the pages under test show changed items); fresh samples are tested in tests/test_ledger.py
+        contract = yaml.safe_load(specs["contract"].read_text())
+        for suite in contract["heldout"]:
+            suite["fresh"] = False
+        specs["contract"].write_text(yaml.safe_dump(contract))
         init_lineage(
             contract_path=specs["contract"],
             harness_path=ROOT / "harnesses" / "demo.yaml",
