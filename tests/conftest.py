@@ -147,7 +147,12 @@ METHODS = {
 
 
 def write_specs(
-    tmp: Path, base: Path, *, heldout_size: int = 20, methods: dict[str, dict] | None = None
+    tmp: Path,
+    base: Path,
+    *,
+    heldout_size: int = 20,
+    methods: dict[str, dict] | None = None,
+    fresh: bool | None = None,
 ) -> dict[str, Path]:
     """A model spec on the small base (``methods``: per specialist, its method and settings; default sft)
     and the demo contract with smaller held-out (and retention) suites."""
@@ -167,6 +172,8 @@ def write_specs(
     contract["version"] = "test"
     for suite in contract["heldout"] + contract.get("retention", []):
         suite["size"] = heldout_size
+    for suite in contract["heldout"] if fresh is not None else []:  # None: as shipped (fresh samples)
+        suite["fresh"] = fresh
     paths = {"model": tmp / "model.yaml", "contract": tmp / "contract.yaml"}
     paths["model"].write_text(yaml.safe_dump(model))
     paths["contract"].write_text(yaml.safe_dump(contract))

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from sqlalchemy import select
 
 from pipeline.advance import advance_once
@@ -76,7 +77,17 @@ def _keys(**scopes: str) -> dict[str, str]:
     return out
 
 
-def test_only_what_a_trusted_party_verified_is_learned(methods_lineage):
+@pytest.fixture
+def trust_lineage(small_base, tmp_path):
+    """The methods lineage on fixed 20-item held-out samples. A fresh suite holds out its whole split, and
+    with it every reference answer of the split: each demo coding answer (`def f(x):return x+N`) is some
+    held-out item's, so a rated reply without a reference of its own is never learned there."""
+    from conftest import METHODS, init_with_corrections, write_specs
+
+    return init_with_corrections(write_specs(tmp_path, small_base, methods=METHODS, fresh=False), tmp_path)
+
+
+def test_only_what_a_trusted_party_verified_is_learned(trust_lineage):
     keys = _keys(crm="chat,certify", raters="chat,rate", editors="chat,correct")
     proc, url = _serve()
     try:
