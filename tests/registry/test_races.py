@@ -13,6 +13,7 @@ import pytest
 from registry.adapter_files import stored_adapter
 from sqlalchemy import func, select
 
+from pipeline.contract import load_contract
 from pipeline.errors import ConflictError
 from pipeline.registry import (
     Adapter,
@@ -41,7 +42,12 @@ def _seed(engine, generations: int = 3) -> int:
     with session_scope(engine) as s:
         base = register_base_model(session=s, name="tiny", path="/models/tiny", spec={})
         harness = register_harness(session=s, name="demo", version="v1", spec={"p": 1})
-        contract = register_contract(session=s, name="demo", version="1", spec={"s": 1})
+        # the shipped contract's JSON: `ratchet advance` reads it back (it refuses a stored contract that leaves a
+        # specialist ungated without saying so, as one that does not validate)
+        spec = load_contract(Path(__file__).resolve().parents[2] / "contracts" / "demo.yaml").model_dump(
+            mode="json"
+        )
+        contract = register_contract(session=s, name="demo", version="1", spec=spec)
         parent = None
         for n in range(generations):
             gen = create_generation(
