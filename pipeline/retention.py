@@ -85,15 +85,17 @@ def evaluate_retention(
     champion: PairSpec,
     candidate: PairSpec,
     *,
+    resolved: dict[str, list[dict[str, Any]]] | None = None,
     progress: Progress | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``evaluation["retention"]``: every retention suite whose specialist the candidate serves, by name (a
-    suite of a specialist the lineage does not serve is skipped, with a log line)."""
+    suite of a specialist the lineage does not serve is skipped, with a log line). ``resolved``: the suites'
+    items (``resolve_retention``'s), when the caller has them already."""
     from pipeline.heldout import resolve_retention
 
     if not contract.retention:
         return {}
-    resolved = resolve_retention(contract)
+    resolved = resolved if resolved is not None else resolve_retention(contract)
     out: dict[str, dict[str, Any]] = {}
     for suite in contract.retention:
         if suite.specialist not in candidate.adapters or suite.specialist not in champion.adapters:
@@ -148,8 +150,8 @@ def forgetting(
     from pipeline.divergence import measure_divergence
     from pipeline.heldout import resolve_retention
 
-    retention = evaluate_retention(contract, champion, candidate, progress=progress)
-    items = resolve_retention(contract) if retention else {}  # what the ledger counts the tests by
+    items = resolve_retention(contract) if contract.retention else {}  # answered, and counted by the ledger
+    retention = evaluate_retention(contract, champion, candidate, resolved=items, progress=progress)
     return {
         "retention": retention,
         "attempts": {**(attempts or {}), "retention": spend_retention(generation_id=generation_id,
