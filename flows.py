@@ -34,8 +34,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from prefect import flow, task  # noqa: E402
 
-from pipeline.candidate import AdvanceConfig  # noqa: E402
-from pipeline.experience import IngestResult  # noqa: E402
+from pipeline.experience.ingest import IngestResult  # noqa: E402
+from pipeline.loop.candidate import AdvanceConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def ingest_file_task(
     path: str, source: str, generation_id: int | None, harness_version_id: int | None
 ) -> IngestResult:
     """Stream one JSONL file into the registry (idempotent, so a retry never duplicates)."""
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
     from pipeline.registry import get_engine, session_scope
 
     engine = get_engine()
@@ -237,7 +237,7 @@ def advance_generation(generations: int = 1, config=None, tracker=None, progress
     limit ``ratchet-gpu`` where a Prefect server has it: ``server_gpu_limit``); a crashed run continues the
     same candidate when started again.
     """
-    from pipeline.advance import advance_once
+    from pipeline.loop.advance import advance_once
 
     config = config or AdvanceConfig()
     step = _step_task()
@@ -263,9 +263,9 @@ def _candidate(
 ) -> Iterator[int]:
     """Hold the candidate's lease as ``owner`` (renewed in the background) while the block runs; the
     candidate must be generation id ``expect`` when given. ``release``: give the lease up afterwards."""
-    from pipeline.advance import begin_candidate, release_candidate
     from pipeline.errors import ConflictError
-    from pipeline.lease import Lease
+    from pipeline.loop.advance import begin_candidate, release_candidate
+    from pipeline.loop.lease import Lease
     from pipeline.registry import get_engine
 
     generation_id = begin_candidate(config=config, owner=owner)
@@ -286,9 +286,9 @@ def _candidate(
 def _run_steps(steps, *, generation_id: int, config: AdvanceConfig, gpu_limit: str | None = None) -> dict:
     """Run those of ``steps`` not yet done for the candidate, each as a task (GPU steps under a slot of
     ``gpu_limit``); the last step's outcome."""
-    from pipeline.advance import TRACKED, run_steps
-    from pipeline.candidate import done_steps
-    from pipeline.tracking import MLflowTracker
+    from pipeline.loop.advance import TRACKED, run_steps
+    from pipeline.loop.candidate import done_steps
+    from pipeline.registry.tracking import MLflowTracker
 
     step = _step_task()
     todo = set(steps) - set(done_steps(generation_id))
@@ -331,9 +331,9 @@ def advance_cluster(
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
-    from pipeline.advance import owner_id
-    from pipeline.candidate import STEPS
     from pipeline.errors import RatchetError
+    from pipeline.loop.advance import owner_id
+    from pipeline.loop.candidate import STEPS
 
     # One lease owner for this flow run and the GPU run it starts. Its extra part (the flow run) makes
     # `lease.owner_gone` judge it by expiry only: this process ending early must not free the candidate
@@ -371,8 +371,8 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
     gates are the verdict's own tests (``evaluation["verdict"]["tests"]``: the sign-flip improvement test and
     the betting non-inferiority tests, each at the rate its attempt on its suite may spend), then the KL
     budget, the item count and routing."""
-    from pipeline.candidate import contract_of
-    from pipeline.promotion import t_quantile
+    from pipeline.loop.candidate import contract_of
+    from pipeline.loop.promotion import t_quantile
     from pipeline.registry import get_engine, get_generation, session_scope
 
     with session_scope(get_engine()) as session:

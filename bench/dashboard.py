@@ -44,15 +44,15 @@ from safetensors.numpy import save_file  # noqa: E402
 from sqlalchemy import bindparam, create_engine, insert, text  # noqa: E402
 
 from pipeline import registry as reg  # noqa: E402
-from pipeline.contract import load_contract  # noqa: E402
 from pipeline.dashboard import create_app  # noqa: E402
-from pipeline.evaluation import compare_scores  # noqa: E402
-from pipeline.harness import load_harness  # noqa: E402
-from pipeline.modelspec import load_model_spec  # noqa: E402
+from pipeline.loop.evaluation import compare_scores  # noqa: E402
 from pipeline.registry import ScoreRow, TraceRow, make_engine, session_scope  # noqa: E402
 from pipeline.registry.models import dump_json  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from pipeline.spec import file_sha256  # noqa: E402
+from pipeline.specs.contract import load_contract  # noqa: E402
+from pipeline.specs.harness import load_harness  # noqa: E402
+from pipeline.specs.loading import file_sha256  # noqa: E402
+from pipeline.specs.modelspec import load_model_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTERS = Path(tempfile.gettempdir()) / "ratchet-bench-adapters"  # real files the seeded rows name

@@ -27,10 +27,10 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from pipeline.decoding import SamplingConfig, generate, load_model
     from pipeline.environment import FAMILIES, sample_prompts
-    from pipeline.templating import encode_prompt
-    from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+    from pipeline.environment.tinymodel import TinyModelConfig, ensure_tiny_model
+    from pipeline.modeling.decoding import SamplingConfig, generate, load_model
+    from pipeline.modeling.templating import encode_prompt
 
     model, tok = load_model(ensure_tiny_model(config=TinyModelConfig(), cache_dir=args.cache))
     per = max(1, args.prompts // len(FAMILIES))

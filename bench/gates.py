@@ -1,5 +1,5 @@
 """How often the promotion gate is fooled over a lineage's life, and how fast it promotes a real gain,
-simulated at the demo's suite sizes with the real gate (``pipeline.promotion.judge``: sign-flip
+simulated at the demo's suite sizes with the real gate (``pipeline.loop.promotion.judge``: sign-flip
 improvement test, betting non-inferiority tests).
 
     python bench/gates.py [--lineages 1000] [--jobs 2]      # --lineages 200: a quick run
@@ -50,14 +50,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.contract import PromotionGates, load_contract  # noqa: E402
-from pipeline.inference import (  # noqa: E402
+from pipeline.gates.inference import (  # noqa: E402
     compare_scores,
     noninferiority_test,
     signflip_test,
     unit_contributions,
 )
-from pipeline.promotion import judge, spent_rate  # noqa: E402
+from pipeline.loop.promotion import judge, spent_rate  # noqa: E402
+from pipeline.specs.contract import PromotionGates, load_contract  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ITEMS = min(s.size or 0 for s in load_contract(ROOT / "contracts" / "demo.yaml").heldout)  # per specialist

@@ -3,7 +3,7 @@
 Usage: python bench/ingest.py [--traces 100000]
 
 Writes N synthetic traces to a JSONL file, ingests them into a fresh SQLite registry with
-`pipeline.experience.ingest_file` (parse, validate, hash, batched insert), then inserts the very
+`pipeline.experience.ingest.ingest_file` (parse, validate, hash, batched insert), then inserts the very
 same prepared rows with a bare `sqlite3` `executemany` into a fresh copy of the same schema, and
 prints both rates and their ratio (target: >= 0.5). Also prints scoring throughput of the
 rule-based scorers over the ingested traces.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.experience import ingest_file, trace_row, validate_trace  # noqa: E402
+from pipeline.experience.ingest import ingest_file, trace_row, validate_trace  # noqa: E402
 from pipeline.registry import make_engine, session_scope, upgrade_db  # noqa: E402
 from pipeline.registry.experience import SQLITE_INSERT, sqlite_params  # noqa: E402
 from pipeline.registry.models import utcnow  # noqa: E402
@@ -132,8 +132,8 @@ def main() -> None:
         print(f"  ratio                 {ours / floor:>10.2f}  (target >= 0.5)")
 
         try:
-            from pipeline.contract import load_contract
             from pipeline.scoring import score_trace
+            from pipeline.specs.contract import load_contract
         except ImportError:
             print("scoring: pipeline.scoring not available")
             return

@@ -47,10 +47,10 @@ def main() -> None:
     os.environ["RATCHET_HOME"] = str(home)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-    from pipeline.candidate import AdvanceConfig
-    from pipeline.modelspec import load_model_spec
+    from pipeline.environment.tinymodel import ensure_tiny_model
+    from pipeline.loop.candidate import AdvanceConfig
     from pipeline.settings import apply_torch_threads
-    from pipeline.tinymodel import ensure_tiny_model
+    from pipeline.specs.modelspec import load_model_spec
 
     apply_torch_threads()
     spec = load_model_spec(args.spec)
@@ -78,11 +78,11 @@ def with_method(raw: dict, method: str) -> dict:
 
 
 def run(raw: dict, config, *, home: Path, methods: list[str], parent_after: int) -> dict:
-    from pipeline.advance import advance_once, run_steps
-    from pipeline.candidate import done_steps, mark_step
     from pipeline.cli.advance import make_tracker
-    from pipeline.lineage import init_lineage
-    from pipeline.promotion import t_quantile
+    from pipeline.loop.advance import advance_once, run_steps
+    from pipeline.loop.candidate import done_steps, mark_step
+    from pipeline.loop.founding import init_lineage
+    from pipeline.loop.promotion import t_quantile
     from pipeline.registry import (
         create_generation,
         get_champion,
@@ -146,7 +146,7 @@ def run(raw: dict, config, *, home: Path, methods: list[str], parent_after: int)
             timings[step] = round(time.perf_counter() - t0, 1)
         wall = time.perf_counter() - began
         with session_scope(engine) as session:
-            from pipeline.candidate import load_generation
+            from pipeline.loop.candidate import load_generation
 
             gen = load_generation(session, generation_id)
             ev = gen.evaluation

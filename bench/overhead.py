@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.candidate import AdvanceConfig  # noqa: E402 - light: dataclasses only
+from pipeline.loop.candidate import AdvanceConfig  # noqa: E402 - light: dataclasses only
 
 
 def main() -> None:
@@ -39,8 +39,8 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
     from pipeline.cli.advance import ensure_base_model, make_tracker
-    from pipeline.clock import CLOCK
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.clock import CLOCK
+    from pipeline.loop.founding import init_lineage
 
     init_lineage(
         contract_path=ROOT / "contracts" / "demo.yaml",
@@ -101,7 +101,7 @@ def warm_up_libraries() -> None:
     import mlflow  # noqa: F401
     import peft  # noqa: F401
 
-    from pipeline.decoding import load_model
+    from pipeline.modeling.decoding import load_model
     from pipeline.registry import get_champion, get_engine, session_scope
 
     with session_scope(get_engine()) as session:

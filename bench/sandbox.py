@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.sandbox import launcher, sandbox_problem  # noqa: E402
-from pipeline.scorers.code import run_python_tests  # noqa: E402
+from pipeline.scoring.code import run_python_tests  # noqa: E402
 
 
 def jobs(n: int) -> list[tuple[str, str]]:

@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.candidate import AdvanceConfig
-from pipeline.decoding import load_model
 from pipeline.environment import FAMILIES, collect, evaluate, heldout_suite, sample_prompts
-from pipeline.modelspec import load_model_spec
-from pipeline.tinymodel import ensure_tiny_model
+from pipeline.environment.tinymodel import ensure_tiny_model
+from pipeline.loop.candidate import AdvanceConfig
+from pipeline.modeling.decoding import load_model
+from pipeline.specs.modelspec import load_model_spec
 from pipeline.training import TrainConfig, train_lora, write_dataset
 
 

@@ -56,7 +56,7 @@ def build_models(root: Path, model: str, args) -> tuple[Path, dict[str, Path]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from pipeline.tinymodel import TinyModelConfig, _model_config, build_tokenizer
+    from pipeline.environment.tinymodel import TinyModelConfig, _model_config, build_tokenizer
     from pipeline.training import ALL_LINEAR, TrainConfig
 
     if model == "real":
@@ -157,7 +157,7 @@ def bench(model: str, args) -> None:
     import torch
 
     from pipeline.serving.runtime import AdapterSource, GenerationRequest, load_runtime
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +167,7 @@ def bench(model: str, args) -> None:
             AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
             for s, p in adapters.items()
         ]
-        from pipeline.placement import placement
+        from pipeline.modeling.placement import placement
 
         where = placement(dtype=args.dtype, device=args.device)  # what a model spec's `dtype` gives
         mixed_rt = load_runtime(base, sources, where=where)
@@ -375,7 +375,6 @@ def run_http(
     """Per recording mode (``spool``: every turn fsynced to the write-ahead spool before its answer;
     ``memory``: turns wait for the registry in memory only), the latencies and wall seconds of the HTTP
     run, best of ``--http-rounds`` interleaved rounds (each a fresh server on the same registry)."""
-    from pipeline.harness import load_harness
     from pipeline.registry import (
         create_adapter,
         create_generation,
@@ -389,6 +388,7 @@ def run_http(
     )
     from pipeline.serving.served import ServeConfig
     from pipeline.serving.server import create_app
+    from pipeline.specs.harness import load_harness
 
     url = f"sqlite:///{root / 'bench.db'}"
     upgrade_db(url)

@@ -95,7 +95,7 @@ def setups(args: argparse.Namespace) -> list[Setup]:
     out = []
     if args.model in ("tiny", "all"):
         from pipeline.environment import training_corpus
-        from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+        from pipeline.environment.tinymodel import TinyModelConfig, ensure_tiny_model
 
         base = ensure_tiny_model(config=TinyModelConfig(), cache_dir=args.cache)
         out.append(Setup("tiny", base, training_corpus(2000, seed=7), training_corpus(256, seed=8),
@@ -149,7 +149,7 @@ def run_hf(setup: Setup, kind: str, examples: list, tokenizer, args, out: Path) 
         TrainingArguments,
     )
 
-    from pipeline.decoding import attn_implementation_for
+    from pipeline.modeling.decoding import attn_implementation_for
     from pipeline.training import ALL_LINEAR
 
     tokenizer.padding_side = "right"
@@ -196,8 +196,8 @@ def eval_loss(base_dir: Path, adapter_dir: Path | None, examples: list, pad_id: 
     """Mean assistant-token loss (transformers' own) of base (+ adapter) on ``examples``, packed in chunks."""
     import torch
 
-    from pipeline.decoding import load_model
-    from pipeline.packing import packed_tensors
+    from pipeline.modeling.decoding import load_model
+    from pipeline.modeling.packing import packed_tensors
 
     model, _ = load_model(base_dir, adapter_dir)
     total = count = 0.0
@@ -213,7 +213,7 @@ def eval_loss(base_dir: Path, adapter_dir: Path | None, examples: list, pad_id: 
 def bench(setup: Setup, args) -> None:
     from transformers import AutoTokenizer
 
-    from pipeline.packing import encode_chat
+    from pipeline.modeling.packing import encode_chat
     from pipeline.training.job import sequence_limit
 
     tokenizer = AutoTokenizer.from_pretrained(setup.base_dir)

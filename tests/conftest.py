@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.tinymodel import TinyModelConfig
+from pipeline.environment.tinymodel import TinyModelConfig
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,7 +133,7 @@ SMALL = TinyModelConfig(hidden_size=48, num_layers=2, num_heads=2, intermediate_
 
 @pytest.fixture(scope="session")
 def small_base(tmp_path_factory):
-    from pipeline.tinymodel import ensure_tiny_model
+    from pipeline.environment.tinymodel import ensure_tiny_model
 
     return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
 
@@ -198,7 +198,7 @@ def methods_lineage(small_base, tmp_path):
 
 
 def init_with_corrections(specs: dict[str, Path], tmp: Path) -> dict[str, Path]:
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     init_lineage(
         contract_path=specs["contract"],
@@ -212,7 +212,7 @@ def init_with_corrections(specs: dict[str, Path], tmp: Path) -> dict[str, Path]:
 def ingest_corrections(path: Path, per_specialist: int = 12) -> None:
     """Deployment traces the model got wrong, each with the user's corrected answer (a training source)."""
     from pipeline.environment import reference_answer, sample_prompts
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
 
     with open(path, "w") as fh:
         for specialist in ("chat", "agent", "coding", "genui"):

@@ -10,7 +10,7 @@ import yaml
 from conftest import ROOT, run_cli
 from sqlalchemy import select
 
-from pipeline.candidate import AdvanceConfig
+from pipeline.loop.candidate import AdvanceConfig
 from pipeline.registry import (
     AuditLog,
     ContractVersion,
@@ -56,8 +56,8 @@ def _scores(cv_id: int) -> dict[tuple[int, str], float | None]:
 
 def _build_by_hand(config: AdvanceConfig) -> int:
     """A candidate with the champion's adapters, every step before evaluation marked done (no training)."""
-    from pipeline.advance import begin_candidate, release_candidate
-    from pipeline.candidate import load_generation, mark_step
+    from pipeline.loop.advance import begin_candidate, release_candidate
+    from pipeline.loop.candidate import load_generation, mark_step
 
     gen_id = begin_candidate(config=config, owner="test")
     with session_scope(get_engine()) as s:
@@ -73,13 +73,13 @@ def test_adopt_moves_the_lineage_and_the_next_advance_is_judged_under_it(lineage
     scored under the new version with the old scores kept, the champion is re-evaluated and moves (audited),
     served traffic stays the lineage's, and the next advance is judged under the new version with the
     spending ledger continued on the suites kept."""
-    from pipeline.advance import advance_once
-    from pipeline.contract import load_contract, stored_contract
-    from pipeline.eligibility import lineage_candidates
     from pipeline.environment import reference_answer, sample_prompts
-    from pipeline.evaluation import evaluate_step
-    from pipeline.promotion import decide_step
-    from pipeline.spec import content_hash
+    from pipeline.experience.eligibility import lineage_candidates
+    from pipeline.loop.advance import advance_once
+    from pipeline.loop.evaluation import evaluate_step
+    from pipeline.loop.promotion import decide_step
+    from pipeline.specs.contract import load_contract, stored_contract
+    from pipeline.specs.loading import content_hash
 
     # before: one candidate evaluated (and rejected) under the old version, which spends on all four suites
     earlier = _build_by_hand(FAST)
@@ -178,7 +178,7 @@ def test_adopt_moves_the_lineage_and_the_next_advance_is_judged_under_it(lineage
         "genui-vtest": 1,
     }
     # the lineage's files can still be given to `ratchet init` again (generation 0 moved to the new version)
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     init_lineage(contract_path=lineage["contract"], harness_path=ROOT / "harnesses" / "demo.yaml",
                  model_path=lineage["model"])  # fmt: skip
@@ -226,8 +226,8 @@ def test_carried_suites_keep_what_the_old_version_measured():
     """Kept suites stay held-out; a changed or dropped one becomes `<specialist>-v<old version>` with the old
     tolerance and error rate (a file suite by its sha256); an old retention suite is carried unless released;
     names never collide."""
-    from pipeline.adoption import adopted_spec, carried_suites
-    from pipeline.contract import ContractSpec
+    from pipeline.loop.adoption import adopted_spec, carried_suites
+    from pipeline.specs.contract import ContractSpec
 
     root = Path(__file__).resolve().parent.parent
     data = yaml.safe_load((root / "contracts" / "demo.yaml").read_text())
@@ -299,8 +299,8 @@ def test_adopt_refuses_a_raised_error_rate(lineage, tmp_path, capsys):
         assert s.scalar(select(ContractVersion).where(ContractVersion.version == "test2")) is None
         assert s.scalar(select(AuditLog).where(AuditLog.action == "adopt")) is None
 
-    from pipeline.adoption import raised_rates
-    from pipeline.contract import load_contract
+    from pipeline.loop.adoption import raised_rates
+    from pipeline.specs.contract import load_contract
 
     old = load_contract(lineage["contract"])
     lower = new_version(lineage, tmp_path, name="lower", retention=renamed(0.01),

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from pipeline.advance import advance_once, begin_candidate, release_candidate
-from pipeline.candidate import STEPS, AdvanceConfig, done_steps
 from pipeline.errors import ConflictError
+from pipeline.loop.advance import advance_once, begin_candidate, release_candidate
+from pipeline.loop.candidate import STEPS, AdvanceConfig, done_steps
 from pipeline.registry import (
     Adapter,
     Experience,
@@ -38,7 +38,7 @@ def test_one_generation_end_to_end(lineage):
     from transformers import AutoModelForCausalLM
 
     from pipeline.cli.advance import lineage_rows, make_tracker
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     tracker = make_tracker()
     outcome = advance_once(config=FAST, tracker=tracker)
@@ -139,12 +139,12 @@ def test_degraded_candidate_is_never_promoted(lineage, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.candidate import load_generation, mark_step
-    from pipeline.evaluation import evaluate_step
-    from pipeline.promotion import decide_step
+    from pipeline.loop.candidate import load_generation, mark_step
+    from pipeline.loop.evaluation import evaluate_step
+    from pipeline.loop.promotion import decide_step
     from pipeline.registry import create_adapter, set_generation_adapter
     from pipeline.settings import get_settings
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     advance_once(config=FAST)  # generation 1, with trained adapters to wreck
     with session_scope(get_engine()) as s:
@@ -242,9 +242,9 @@ def test_a_file_suite_is_stored_at_registration_and_needs_no_file_afterwards(spe
     """A held-out suite given as {path, sha256}: registration keeps its bytes in the registry; advance
     curates and evaluates on it after the file is gone."""
     from pipeline.environment import heldout_suite
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
     from pipeline.registry import StoredFile
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     suite = tmp_path / "suites" / "chat.jsonl"
     suite.parent.mkdir()
@@ -263,7 +263,7 @@ def test_a_file_suite_is_stored_at_registration_and_needs_no_file_afterwards(spe
     suite.unlink()
     # the attack: the file's held-out items arrive as deployment traces with the right, verifiable answer
     from pipeline.environment import reference_answer
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
 
     leaked = tmp_path / "leak.jsonl"
     with open(leaked, "w") as fh:

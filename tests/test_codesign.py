@@ -9,8 +9,6 @@ import pytest
 import yaml
 
 from pipeline.codesign import HarnessVariant, parent_variant, propose_variants, variant_label
-from pipeline.compatibility import check_harness
-from pipeline.contract import load_contract
 from pipeline.environment.tasks import (
     FAMILIES,
     completion_trace,
@@ -19,9 +17,11 @@ from pipeline.environment.tasks import (
     sample_prompts,
 )
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec, load_harness
-from pipeline.heldout import heldout_index, resolve_suites
-from pipeline.prompting import prompt_budget_chars, prompt_chars, render_messages
+from pipeline.modeling.prompting import prompt_budget_chars, prompt_chars, render_messages
+from pipeline.specs.compatibility import check_harness
+from pipeline.specs.contract import load_contract
+from pipeline.specs.harness import HarnessSpec, load_harness
+from pipeline.specs.heldout import heldout_index, resolve_suites
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = load_contract(ROOT / "contracts" / "demo.yaml")

@@ -98,8 +98,8 @@ def test_a_generation_in_one_flow_takes_gpu_slots_resumes_and_publishes(prefect_
     from sqlalchemy import func, select
 
     from flows import advance_cluster, advance_generation
-    from pipeline.candidate import STEPS, AdvanceConfig, done_steps
     from pipeline.errors import RatchetError
+    from pipeline.loop.candidate import STEPS, AdvanceConfig, done_steps
     from pipeline.registry import Experience, Generation, get_engine, session_scope
 
     fast = AdvanceConfig(prompts_per_specialist=12, samples_per_prompt=2, min_examples=2, validation_items=4)

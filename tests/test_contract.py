@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from pipeline.contract import ContractSpec, contract_hash, load_contract, verify_files
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.spec import SpecError, content_hash
+from pipeline.specs.contract import ContractSpec, contract_hash, load_contract, verify_files
+from pipeline.specs.loading import SpecError, content_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -339,13 +339,18 @@ def test_cli_schema(kind, title, capsys):
 def test_every_spec_field_is_documented():
     from pydantic import BaseModel
 
-    import pipeline.contract
-    import pipeline.harness
-    import pipeline.modelspec
-    import pipeline.scorers.config
+    import pipeline.specs.contract
+    import pipeline.specs.harness
+    import pipeline.specs.modelspec
+    import pipeline.specs.scorers
 
     missing = []
-    for module in (pipeline.contract, pipeline.harness, pipeline.modelspec, pipeline.scorers.config):
+    for module in (
+        pipeline.specs.contract,
+        pipeline.specs.harness,
+        pipeline.specs.modelspec,
+        pipeline.specs.scorers,
+    ):
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, BaseModel) and obj.__module__ == module.__name__:
                 missing += [f"{obj.__name__}.{n}" for n, f in obj.model_fields.items() if not f.description]
@@ -353,8 +358,8 @@ def test_every_spec_field_is_documented():
 
 
 def test_selection_sources_are_the_registry_sources():
-    from pipeline.contract import SelectionRules
     from pipeline.registry.experience import SOURCES
+    from pipeline.specs.contract import SelectionRules
 
     trainable = [s for s in SOURCES if s != "evaluation"]
     assert SelectionRules(sources=trainable).sources == trainable
@@ -366,7 +371,7 @@ def test_selection_sources_are_the_registry_sources():
 def test_trusted_principals_apply_only_to_scorers_that_read_a_principals_material():
     import yaml
 
-    from pipeline.contract import ContractSpec
+    from pipeline.specs.contract import ContractSpec
 
     spec = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     spec["specialists"]["chat"]["scorers"][2]["trusted"] = ["raters"]  # feedback: whose ratings count

@@ -33,9 +33,9 @@ from pipeline.registry import (
 
 ADVANCE = """
 import os, sys, time
-import pipeline.evaluation as evaluation
-from pipeline.advance import advance_once
-from pipeline.candidate import AdvanceConfig
+import pipeline.loop.evaluation as evaluation
+from pipeline.loop.advance import advance_once
+from pipeline.loop.candidate import AdvanceConfig
 from pipeline.cli.advance import make_tracker
 if os.environ.get("HOLD_EVALUATION"):  # evaluation on the tiny model can end between two polls: hold it open
     answer = evaluation.answer_suites
@@ -122,7 +122,7 @@ class World:
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def world(request, specs, tmp_path, monkeypatch):
     """A fresh lineage (generation 0 and ingested corrections) on each backend."""
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
     from pipeline.settings import get_settings
 
     if request.param == "sqlite":

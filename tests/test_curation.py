@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.contract import load_contract
-from pipeline.curation import save_dataset, select_examples
-from pipeline.eligibility import Candidate
-from pipeline.heldout import HeldoutIndex
+from pipeline.experience.eligibility import Candidate
+from pipeline.loop.curation import save_dataset, select_examples
+from pipeline.specs.contract import load_contract
+from pipeline.specs.heldout import HeldoutIndex
 from pipeline.training import dataset_sha256
 
 CONTRACT = load_contract(Path(__file__).resolve().parent.parent / "contracts" / "demo.yaml")
@@ -186,7 +186,7 @@ def test_saved_dataset_is_hashed(tmp_path):
 def test_validation_slice_of_a_specialist_without_tasks_is_never_learned_from():
     """Without a task source, a fixed slice of verified experience validates co-design: it is in no
     dataset, no exemplar pool and no router data, and it is the same slice whatever the order."""
-    from pipeline.eligibility import eligible_examples, in_validation_slice, validation_items
+    from pipeline.experience.eligibility import eligible_examples, in_validation_slice, validation_items
 
     chat = CONTRACT.specialists["chat"].model_copy(update={"tasks": None})
     contract = CONTRACT.model_copy(update={"specialists": {**CONTRACT.specialists, "chat": chat}})
@@ -304,8 +304,8 @@ def test_a_learned_reply_must_be_its_own_answer_when_it_is_a_held_out_one():
     own reference answer. A trace with some other reference of its own passes the predicate (its wrong reply
     may still be a preference pair's rejected side) but never becomes an SFT target."""
     from pipeline.environment import heldout_suite
-    from pipeline.heldout import heldout_index
-    from pipeline.preferences import preference_pairs
+    from pipeline.experience.preferences import preference_pairs
+    from pipeline.specs.heldout import heldout_index
 
     index = heldout_index(CONTRACT)
     answer = heldout_suite("coding", 1, seed=1234)[0]["metadata"]["expected"]  # e.g. def f(x):return x+57

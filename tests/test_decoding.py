@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.decoding import SamplingConfig, generate, load_model
 from pipeline.environment import FAMILIES, sample_prompts
-from pipeline.templating import encode_prompt
-from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.environment.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.modeling.decoding import SamplingConfig, generate, load_model
+from pipeline.modeling.templating import encode_prompt
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                         max_position_embeddings=96, bootstrap_steps=40, bootstrap_batch_size=32,

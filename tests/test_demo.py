@@ -16,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.advance import advance_once
-from pipeline.candidate import AdvanceConfig
 from pipeline.cli.advance import ensure_base_model, lineage_rows
-from pipeline.lineage import init_lineage
+from pipeline.loop.advance import advance_once
+from pipeline.loop.candidate import AdvanceConfig
+from pipeline.loop.founding import init_lineage
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.candidate import STEPS, AdvanceConfig
+from pipeline.loop.candidate import STEPS, AdvanceConfig
 from pipeline.registry import get_engine, list_generations, session_scope
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ class Cluster:
     """The Prefect server and its two workers, with their logs for failure messages."""
 
     def __init__(self, home: Path):
-        from pipeline.stack import POOLS, prefect_server_part, worker_part
+        from pipeline.cli.stack import POOLS, prefect_server_part, worker_part
 
         self.port = free_port()
         self.server = prefect_server_part(host="127.0.0.1", port=self.port, log=home / "server.log")
@@ -74,7 +74,7 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    from pipeline.stack import StackError, stop_parts, wait_until_ready
+    from pipeline.cli.stack import StackError, stop_parts, wait_until_ready
 
     prefect_home = tmp_path / "prefect"
     monkeypatch.setenv("PREFECT_HOME", str(prefect_home))

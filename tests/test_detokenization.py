@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from realmodel import build_real_model, train_tokenizer
 
-from pipeline.decoding import SamplingConfig, end_token_ids, generate, load_model
-from pipeline.detokenization import REPLACEMENT, TextStream
+from pipeline.modeling.decoding import SamplingConfig, end_token_ids, generate, load_model
+from pipeline.modeling.detokenization import REPLACEMENT, TextStream
 
 TEXTS = [
     "Résumé 😀 naïve",

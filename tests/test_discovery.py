@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.advance import run_steps
-from pipeline.candidate import AdvanceConfig, done_steps
-from pipeline.contract import load_contract
-from pipeline.discovery import composed_variants, discovered_items, keep_allowed
 from pipeline.environment import perturbed_items, sample_prompts, split_of, verify
 from pipeline.errors import RatchetError
-from pipeline.heldout import HeldoutIndex, heldout_index
+from pipeline.loop.advance import run_steps
+from pipeline.loop.candidate import AdvanceConfig, done_steps
+from pipeline.loop.discovery import composed_variants, discovered_items, keep_allowed
+from pipeline.specs.contract import load_contract
+from pipeline.specs.heldout import HeldoutIndex, heldout_index
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = load_contract(ROOT / "contracts" / "demo.yaml")
@@ -77,7 +77,7 @@ def test_the_held_out_predicate_stops_a_variant_that_poses_a_held_out_prompt():
 
 
 def test_discovered_variants_are_checked_against_their_sha256(tmp_path):
-    from pipeline.discovery import write_variants
+    from pipeline.loop.discovery import write_variants
 
     entry = write_variants(
         [{"messages": [{"role": "user", "content": "1+2=?"}], "metadata": {}}], tmp_path / "v"
@@ -95,7 +95,7 @@ def test_discovery_finds_the_champions_frontier_and_collection_practises_it(line
 
     config = AdvanceConfig(prompts_per_specialist=40, samples_per_prompt=2, discovery_candidates=48,
                            discovery_samples=4, min_examples=2, validation_items=6, seed=1)  # fmt: skip
-    from pipeline.advance import begin_candidate, owner_id
+    from pipeline.loop.advance import begin_candidate, owner_id
 
     generation_id = begin_candidate(config=config, owner=owner_id())
     run_steps(("discover", "collect"), generation_id=generation_id, config=config)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.evaluation import Comparison, compare_scores
+from pipeline.loop.evaluation import Comparison, compare_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ class _FlakyJudge:
 
 
 def _judged_contract(url: str):
-    from pipeline.contract import ContractSpec
+    from pipeline.specs.contract import ContractSpec
 
     return ContractSpec.model_validate({
         "name": "judged", "version": "1", "default_specialist": "chat",
@@ -111,8 +111,8 @@ def test_a_judge_outage_hits_both_pairs_of_the_same_items():
     pairs are scored item by item, interleaved; an item unscored on either side is left out and counted, and
     past `promotion.max_unscored_share` the step fails with one line."""
     from pipeline.errors import RatchetError
-    from pipeline.evaluation import ItemScore, check_unscored, paired_values, score_both
-    from pipeline.harness import load_harness
+    from pipeline.loop.evaluation import ItemScore, check_unscored, paired_values, score_both
+    from pipeline.specs.harness import load_harness
 
     harness = load_harness(ROOT / "harnesses" / "demo.yaml")
     same = _answers(50)
@@ -136,9 +136,9 @@ def test_a_judge_outage_hits_both_pairs_of_the_same_items():
 
 
 def test_an_item_is_scored_on_its_final_turn():
-    from pipeline.contract import load_contract
-    from pipeline.evaluation import item_score
-    from pipeline.harness import load_harness
+    from pipeline.loop.evaluation import item_score
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
 
     contract = load_contract(ROOT / "contracts" / "demo.yaml")
     harness = load_harness(ROOT / "harnesses" / "demo.yaml")
@@ -150,9 +150,9 @@ def test_an_item_is_scored_on_its_final_turn():
 
 
 def test_an_item_is_unscored_only_when_a_scorer_that_applies_could_not_give_a_verdict():
-    from pipeline.contract import load_contract
-    from pipeline.evaluation import item_score
-    from pipeline.harness import load_harness
+    from pipeline.loop.evaluation import item_score
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
 
     contract = load_contract(ROOT / "contracts" / "demo.yaml")
     harness = load_harness(ROOT / "harnesses" / "demo.yaml")
@@ -191,12 +191,12 @@ def test_a_judge_down_for_the_champions_half_fails_the_evaluation_step(small_bas
     from conftest import write_specs
     from sqlalchemy import func, select
 
-    from pipeline.advance import begin_candidate
-    from pipeline.candidate import AdvanceConfig, load_generation, mark_step
     from pipeline.cli.advance import lineage_rows
     from pipeline.errors import RatchetError
-    from pipeline.evaluation import evaluate_step
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.advance import begin_candidate
+    from pipeline.loop.candidate import AdvanceConfig, load_generation, mark_step
+    from pipeline.loop.evaluation import evaluate_step
+    from pipeline.loop.founding import init_lineage
     from pipeline.registry import EvaluationItem, get_engine, session_scope
 
     judge = _FlakyJudge(down=range(0, 100), retry=False)

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import func, select
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.experience import TraceError, ingest_file, trace_row, validate_trace
+from pipeline.experience.ingest import TraceError, ingest_file, trace_row, validate_trace
 from pipeline.registry import Experience, Quarantine, session_scope
 from pipeline.registry.models import utcnow
 

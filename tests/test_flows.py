@@ -61,7 +61,7 @@ def test_advance_generation_flow(prefect_server, methods_lineage):
     from prefect.client.orchestration import get_client
 
     from flows import advance_generation
-    from pipeline.candidate import STEPS, AdvanceConfig
+    from pipeline.loop.candidate import STEPS, AdvanceConfig
     from pipeline.registry import list_generations
 
     config = AdvanceConfig(

@@ -20,7 +20,7 @@ def test_advance_takes_the_gpu_slot(prefect_server, lineage):
     from prefect.settings import PREFECT_API_URL
 
     from flows import GPU_LIMIT, advance_generation, ensure_gpu_limit
-    from pipeline.candidate import AdvanceConfig
+    from pipeline.loop.candidate import AdvanceConfig
 
     ensure_gpu_limit(api_url=PREFECT_API_URL.value(), slots=1)
     seen: dict[str, int] = {}  # phase -> the limit's slots in use when it first reported

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.compatibility import check_harness, require_compatible
-from pipeline.contract import ContractSpec, load_contract
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec, load_harness, template_slots
-from pipeline.spec import SpecError
+from pipeline.specs.compatibility import check_harness, require_compatible
+from pipeline.specs.contract import ContractSpec, load_contract
+from pipeline.specs.harness import HarnessSpec, load_harness, template_slots
+from pipeline.specs.loading import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONTRACT = load_contract(ROOT / "contracts" / "demo.yaml")

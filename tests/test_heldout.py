@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.heldout import HeldoutIndex, words
+from pipeline.specs.heldout import HeldoutIndex, words
 
 ROOT = Path(__file__).resolve().parent.parent
 # The demo's first held-out chat item with the suites at 20 items (the tests' contract, ``conftest.write_specs``)
@@ -72,7 +72,7 @@ def test_the_predicate_reads_every_turn_and_every_part():
 @pytest.fixture(scope="module")
 def demo_contract(tmp_path_factory):
     """The demo contract with 20-item held-out suites, fixed rather than fresh."""
-    from pipeline.contract import load_contract
+    from pipeline.specs.contract import load_contract
 
     contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     contract["version"] = "test-heldout"
@@ -87,7 +87,7 @@ def demo_contract(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_index(demo_contract):
-    from pipeline.heldout import heldout_index, resolve_suites
+    from pipeline.specs.heldout import heldout_index, resolve_suites
 
     assert resolve_suites(demo_contract)["chat"][0]["messages"][0]["content"] == "15+42=?"
     return heldout_index(demo_contract)
@@ -141,7 +141,7 @@ def test_the_coding_item_with_swapped_operands_and_its_reference_answer_is_exclu
     demo_index, demo_contract
 ):
     from pipeline.environment import completion_trace, reference_answer
-    from pipeline.heldout import resolve_suites
+    from pipeline.specs.heldout import resolve_suites
 
     item = resolve_suites(demo_contract)["coding"][0]
     a, b = item["messages"][0]["content"].split()[-2:]
@@ -173,7 +173,7 @@ def test_trimming_keeps_short_prompts_whole_only():
 
 def test_a_correction_that_gives_only_the_answer_is_not_learned(demo_index, demo_contract):
     """ "15+42 is 57" as the correction of a reply to "give me a number": the problem is in the correction."""
-    from pipeline.eligibility import Candidate, accepted_correction
+    from pipeline.experience.eligibility import Candidate, accepted_correction
 
     def corrected(text: str) -> list[dict] | None:
         candidate = Candidate(
@@ -193,7 +193,7 @@ def test_a_reply_that_is_a_held_out_reference_answer_is_excluded_unless_it_is_it
     demo_index, demo_contract
 ):
     from pipeline.environment import completion_trace, make_item, reference_answer, split_of
-    from pipeline.heldout import resolve_suites
+    from pipeline.specs.heldout import resolve_suites
 
     for family in ("coding", "genui"):
         item = resolve_suites(demo_contract)[family][0]
@@ -216,7 +216,7 @@ def test_a_reply_that_is_a_held_out_reference_answer_is_excluded_unless_it_is_it
 
 def test_short_reference_answers_are_not_indexed(demo_index, demo_contract):
     from pipeline.environment import reference_answer
-    from pipeline.heldout import MIN_ANSWER_TOKENS, resolve_suites
+    from pipeline.specs.heldout import MIN_ANSWER_TOKENS, resolve_suites
 
     chat = resolve_suites(demo_contract)["chat"][0]
     assert len(words(reference_answer(chat))) < MIN_ANSWER_TOKENS  # "57" says nothing about 15+42
@@ -306,7 +306,7 @@ def _canonical_disguises(contract) -> list[tuple[list[dict], dict, str, str]]:
     """Issue 21's disguises as verified experience: ``(context, metadata, right reply, wrong reply)``. Each
     context is asked twice, answered right and wrong, so the DPO step has a pair to make of it."""
     from pipeline.environment import reference_answer
-    from pipeline.heldout import resolve_suites
+    from pipeline.specs.heldout import resolve_suites
 
     suites = resolve_suites(contract)
     chat = {"specialist": "chat", "task": "chat", "expected": "57"}
@@ -334,9 +334,9 @@ def _plant(contract, tmp_path: Path) -> tuple[list[str], list[str]]:
     contain, and the prompts of training items that share a held-out item's reference answer (which must be
     learned)."""
     from pipeline.environment import completion_trace, make_item, reference_answer, split_of
-    from pipeline.experience import ingest_file, trace_row, validate_trace
-    from pipeline.heldout import resolve_suites
+    from pipeline.experience.ingest import ingest_file, trace_row, validate_trace
     from pipeline.registry import get_engine, insert_traces, session_scope
+    from pipeline.specs.heldout import resolve_suites
 
     rows, ingested, prompts = [], [], []
 
@@ -423,16 +423,16 @@ def _run_steps(generation_id: int, monkeypatch) -> dict[str, list[str]]:
     from datasets import load_from_disk
 
     import pipeline.codesign.operators as operators
-    from pipeline.candidate import AdvanceConfig, contract_of, load_generation
     from pipeline.codesign import codesign_step
-    from pipeline.curation import curate_step
-    from pipeline.eligibility import lineage_candidates
-    from pipeline.evaluation import router_training_traces
-    from pipeline.harness import HarnessSpec
-    from pipeline.heldout import heldout_index
-    from pipeline.preferences import preference_pairs
+    from pipeline.experience.eligibility import lineage_candidates
+    from pipeline.experience.preferences import preference_pairs
+    from pipeline.loop.candidate import AdvanceConfig, contract_of, load_generation
+    from pipeline.loop.curation import curate_step
+    from pipeline.loop.evaluation import router_training_traces
     from pipeline.registry import TrainingDataset, get_engine, session_scope
     from pipeline.scoring import score_step
+    from pipeline.specs.harness import HarnessSpec
+    from pipeline.specs.heldout import heldout_index
 
     config = AdvanceConfig(validation_items=4, min_examples=1)
     proposed = []
@@ -496,8 +496,8 @@ def planted(small_base, tmp_path):
     from conftest import init_with_corrections, write_specs
     from sqlalchemy import select
 
-    from pipeline.advance import begin_candidate
-    from pipeline.candidate import AdvanceConfig, contract_of, load_generation
+    from pipeline.loop.advance import begin_candidate
+    from pipeline.loop.candidate import AdvanceConfig, contract_of, load_generation
     from pipeline.registry import Generation, get_engine, session_scope
 
     specs = write_specs(tmp_path, small_base)
@@ -528,8 +528,8 @@ def test_planted_heldout_items_reach_no_dataset_pair_exemplar_or_router_row(plan
 
 
 def test_control_without_the_predicate_the_same_check_finds_the_leak(planted, monkeypatch):
-    import pipeline.eligibility as eligibility
-    from pipeline.heldout import HeldoutIndex
+    import pipeline.experience.eligibility as eligibility
+    from pipeline.specs.heldout import HeldoutIndex
 
     monkeypatch.setattr(HeldoutIndex, "exclusion", lambda self, **kwargs: None)
     monkeypatch.setattr(HeldoutIndex, "teaches", lambda self, *args: None)  # its learned-reply rule too
@@ -545,7 +545,7 @@ def test_control_without_the_predicate_the_same_check_finds_the_leak(planted, mo
 
 
 def _contract(generation_id: int):
-    from pipeline.candidate import contract_of, load_generation
+    from pipeline.loop.candidate import contract_of, load_generation
     from pipeline.registry import get_engine, session_scope
 
     with session_scope(get_engine()) as session:
@@ -559,7 +559,7 @@ def _serve(contract) -> list[str]:
     the texts no output may contain."""
     from fastapi.testclient import TestClient
 
-    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.experience.principals import OPERATOR, parse_scopes
     from pipeline.registry import create_api_key, get_engine, session_scope
     from pipeline.serving.served import ServeConfig
     from pipeline.serving.server import create_app
@@ -591,9 +591,9 @@ def _serve(contract) -> list[str]:
 def test_disguises_sent_through_the_real_server_are_never_learned(small_base, tmp_path, monkeypatch, bypass):
     from conftest import init_with_corrections, write_specs
 
-    import pipeline.eligibility as eligibility
-    from pipeline.advance import begin_candidate
-    from pipeline.candidate import AdvanceConfig
+    import pipeline.experience.eligibility as eligibility
+    from pipeline.loop.advance import begin_candidate
+    from pipeline.loop.candidate import AdvanceConfig
 
     specs = write_specs(tmp_path, small_base)
     contract = yaml.safe_load(specs["contract"].read_text())
@@ -636,7 +636,7 @@ def test_the_codesign_operator_makes_no_disguise_an_exemplar(demo_index, demo_co
     each one that fits the tiny model's window becomes an exemplar -- as co-design picked two of them in
     issue 21, putting the held-out answer into the candidate's prompt at evaluation."""
     from pipeline.codesign import propose_variants
-    from pipeline.harness import load_harness
+    from pipeline.specs.harness import load_harness
 
     harness = load_harness(ROOT / "harnesses" / "demo.yaml")
     index = HeldoutIndex.build([], ngram=8, threshold=0.5) if bypass else demo_index
@@ -675,10 +675,10 @@ def test_a_harness_with_a_heldout_exemplar_is_refused_at_registration(tmp_path, 
 
     import yaml
 
-    from pipeline.contract import load_contract
     from pipeline.errors import RatchetError
-    from pipeline.heldout import resolve_suites
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.heldout import resolve_suites
 
     ROOT = Path(__file__).resolve().parent.parent
     item = resolve_suites(load_contract(specs["contract"]))["chat"][0]

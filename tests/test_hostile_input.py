@@ -13,10 +13,10 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from pipeline.experience import ingest_file
-from pipeline.modelspec import load_model_spec
+from pipeline.experience.ingest import ingest_file
 from pipeline.registry import Experience, Quarantine, session_scope
-from pipeline.spec import MAX_ALIAS_NODES, MAX_DEPTH, MAX_SPEC_BYTES, SpecError, parse_yaml
+from pipeline.specs.loading import MAX_ALIAS_NODES, MAX_DEPTH, MAX_SPEC_BYTES, SpecError, parse_yaml
+from pipeline.specs.modelspec import load_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ def billion_laughs(path: Path) -> Path:
 
 MEASURE = """
 import sys, time
-from pipeline.modelspec import load_model_spec
+from pipeline.specs.modelspec import load_model_spec
 start = time.perf_counter()  # the load alone: the imports take seconds on a loaded machine
 try:
     load_model_spec(sys.argv[1])

@@ -89,6 +89,10 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_core_modules_do_not_import_the_demo_environment():
     graph = import_graph()
-    core = [m for m in graph if m.startswith(("pipeline.packing", "pipeline.scorers", "pipeline.serving"))]
+    core = [
+        m
+        for m in graph
+        if m.startswith(("pipeline.modeling.packing", "pipeline.scoring.scorers", "pipeline.serving"))
+    ]
     leaks = {m: sorted(t for t in graph[m] if t.startswith("pipeline.environment")) for m in core}
     assert {m: t for m, t in leaks.items() if t} == {}

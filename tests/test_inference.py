@@ -12,9 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.contract import PromotionGates
-from pipeline.evaluation import Comparison, compare_scores
-from pipeline.inference import (
+from pipeline.gates.inference import (
     Betting,
     betting_test,
     improvement_test,
@@ -22,7 +20,9 @@ from pipeline.inference import (
     signflip_test,
     unit_means,
 )
-from pipeline.promotion import judge, t_quantile
+from pipeline.loop.evaluation import Comparison, compare_scores
+from pipeline.loop.promotion import judge, t_quantile
+from pipeline.specs.contract import PromotionGates
 
 # the gate alone: non-inferiority can never block (tolerance 1 on 0/1 scores), so a promotion is the
 # improvement test's rejection
@@ -88,7 +88,7 @@ def test_the_monte_carlo_p_value_is_valid_close_to_exact_and_reproducible():
     drawn = [r.draws for r in results if r.method == "monte carlo"]
     assert np.median(drawn) < 2000  # Besag-Clifford: clearly non-significant tests stop early
     # close to the exact p-value where both exist, within its stated Monte Carlo error
-    from pipeline.inference import _exact, _monte_carlo
+    from pipeline.gates.inference import _exact, _monte_carlo
 
     c = np.r_[np.full(30, 1.0), np.full(14, -1.0), np.full(9, 2.0), np.full(5, -2.0)]
     exact = _exact(c, float(c.sum()))

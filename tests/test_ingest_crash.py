@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from pipeline.experience import ingest_file
+from pipeline.experience.ingest import ingest_file
 from pipeline.registry import Experience, Quarantine, make_engine, session_scope, upgrade_db
 
 LINES = 25_000

@@ -14,10 +14,10 @@ import pytest
 from registry.test_races import _seed
 from sqlalchemy import select, update
 
-from pipeline.advance import begin_candidate, release_candidate
-from pipeline.candidate import AdvanceConfig
 from pipeline.errors import ConflictError
-from pipeline.lease import Lease, LeaseLostError, owner_id
+from pipeline.loop.advance import begin_candidate, release_candidate
+from pipeline.loop.candidate import AdvanceConfig
+from pipeline.loop.lease import Lease, LeaseLostError, owner_id
 from pipeline.registry import AuditLog, Generation, get_engine, register_harness, session_scope
 from pipeline.registry.models import utcnow
 
@@ -81,9 +81,9 @@ def test_a_run_that_lost_its_lease_cannot_write(registry):
 
 HOLD_AND_DIE = """
 import os, sys
-from pipeline.advance import begin_candidate
-from pipeline.candidate import AdvanceConfig
-from pipeline.lease import owner_id
+from pipeline.loop.advance import begin_candidate
+from pipeline.loop.candidate import AdvanceConfig
+from pipeline.loop.lease import owner_id
 owner = owner_id()
 begin_candidate(config=AdvanceConfig(lease_seconds=3600), owner=owner)
 print(owner, flush=True)

@@ -13,8 +13,7 @@ from conftest import ROOT, init_with_corrections, write_specs
 from sqlalchemy import func, select
 from test_operator import QUICK, build_until_decide
 
-from pipeline.contract import ContractSpec, load_contract
-from pipeline.heldout import heldout_index, resolve_suites, suite_sha256
+from pipeline.gates.suites import item_keys
 from pipeline.registry import (
     BaseModelRow,
     ContractVersion,
@@ -31,7 +30,8 @@ from pipeline.registry import (
     spend,
 )
 from pipeline.registry.ledger import legacy_tests
-from pipeline.suites import item_keys
+from pipeline.specs.contract import ContractSpec, load_contract
+from pipeline.specs.heldout import heldout_index, resolve_suites, suite_sha256
 
 
 def _contract(tmp_path: Path, *, fresh: bool = False, size: int = 20) -> ContractSpec:
@@ -144,7 +144,7 @@ def test_a_suite_that_became_a_retention_suite_keeps_counting_its_noninferiority
 
 def _coding(size: int, seed: int = 1234) -> list[dict]:
     """The demo generator's held-out coding items, as a generated suite of that seed and size draws them."""
-    from pipeline.tasksource import draw, generator_source
+    from pipeline.specs.tasksource import draw, generator_source
 
     return draw(generator_source("demo", specialist="coding", options={}), "heldout", size, seed)[0]
 
@@ -211,7 +211,7 @@ def test_a_near_duplicate_suite_continues_the_count_of_the_items_it_shares(engin
 def test_a_suite_added_beside_a_kept_one_continues_its_count(registry_url, tmp_path, monkeypatch):
     """A contract version that adds a second chat suite keeps chat's items: its chat suite (both, evaluated
     as one list) continues at the kept items' count, for improvement and chat's non-inferiority alike."""
-    from pipeline.evaluation import spend_attempts
+    from pipeline.loop.evaluation import spend_attempts
 
     _use(monkeypatch, registry_url)
     old = _contract(tmp_path)
@@ -258,7 +258,7 @@ def test_retention_shares_noninferiority_budget_by_items(registry_url, monkeypat
     """A dropped held-out suite kept as a retention suite, its items grouped on the way (another hash): its
     non-inferiority test continues at the count of the held-out suite's non-inferiority tests, through
     ``spend_retention`` as evaluation calls it."""
-    from pipeline.retention import spend_retention
+    from pipeline.gates.retention import spend_retention
 
     _use(monkeypatch, registry_url)
     engine = make_engine(registry_url)
@@ -322,7 +322,7 @@ def test_a_new_lineage_or_contract_version_on_the_same_suites_continues_the_ledg
 ):
     """Two lineages started on the same contract, the second's candidates under a later contract version
     that kept the suites: the same items are the same suites, and their spending goes on."""
-    from pipeline.evaluation import spend_attempts
+    from pipeline.loop.evaluation import spend_attempts
 
     _use(monkeypatch, registry_url)
     contract = _contract(tmp_path)
@@ -384,11 +384,11 @@ def test_concurrent_evaluations_get_distinct_attempts(backend, tmp_path, request
 def test_a_fresh_suite_is_a_new_sample_and_a_new_suite_for_each_champion(tmp_path):
     """A fresh suite draws per champion (seed and champion's generation number): the same sample every time
     against the same champion, another for another champion, so its ledger starts again at 1."""
-    from pipeline.evaluation import spend_attempts
+    from pipeline.loop.evaluation import spend_attempts
 
     contract = _contract(tmp_path, fresh=True)
     ids = _generations(get_engine(), {"main": 4})
-    from pipeline.evaluation import suite_families
+    from pipeline.loop.evaluation import suite_families
 
     # two candidates against 0, one against 3, one against 5: attempt j restarts on each new sample (whatever
     # items it shares with the earlier ones), which is sample 2, 3 of the suites' family, so the improvement
@@ -441,7 +441,7 @@ def test_every_sample_a_fresh_suite_could_draw_is_held_out_of_training(tmp_path)
 def test_retention_items_are_held_out_of_training_and_not_evaluated_as_held_out(tmp_path):
     """A retention suite is never trained on (the exclusion predicate holds its items out) and is resolved
     apart from the held-out suites (``resolve_retention``, by name)."""
-    from pipeline.heldout import resolve_retention
+    from pipeline.specs.heldout import resolve_retention
 
     data = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     data["version"] = "retention-test"
@@ -468,7 +468,7 @@ def test_fresh_is_refused_for_a_generator_without_a_canonical_form(tmp_path, mon
     """Without a canonical form no finite index says whether a conversation poses one of the held-out
     problems a fresh suite could draw: `ratchet contract lint` (and init) refuse it in one line."""
     from pipeline.cli.contract import lint_file
-    from pipeline.tasksource import BUILT_IN
+    from pipeline.specs.tasksource import BUILT_IN
 
     class Plain:  # a task source with no `canonical`
         def __init__(self, *, specialist: str):
@@ -497,9 +497,9 @@ def test_a_manual_promote_of_a_rejected_candidate_does_not_reset_spending(small_
     Generation 2 is built from it and evaluated on the same suites: its improvement test is attempt 2, not
     1 (before the ledger, the count restarted with every new parent). Re-running its evaluation spends
     nothing more."""
-    from pipeline.advance import advance_once
     from pipeline.cli import main
-    from pipeline.evaluation import evaluate_step
+    from pipeline.loop.advance import advance_once
+    from pipeline.loop.evaluation import evaluate_step
 
     specs = write_specs(tmp_path, small_base)
     data = yaml.safe_load(specs["contract"].read_text())

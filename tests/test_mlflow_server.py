@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from pipeline.candidate import AdvanceConfig, done_steps
+from pipeline.loop.candidate import AdvanceConfig, done_steps
 from pipeline.registry import Adapter, Generation, get_champion, get_engine, session_scope
-from pipeline.spec import file_sha256
-from pipeline.tracking import HTTP_CLIENT_DEFAULTS, TrackingUnavailable
+from pipeline.registry.tracking import HTTP_CLIENT_DEFAULTS, TrackingUnavailable
+from pipeline.specs.loading import file_sha256
 
 # generation 1 of the lineage fixture, learning from its ingested corrections: the MLflow traffic of a whole
 # generation (runs, per-step metrics, adapter uploads, model versions, aliases) without waiting for collection
@@ -137,9 +137,9 @@ def test_one_generation_against_an_mlflow_server_with_postgresql_and_proxied_art
     import psycopg
     from mlflow import MlflowClient
 
-    from pipeline.advance import advance_once
     from pipeline.cli import main
     from pipeline.cli.advance import make_tracker
+    from pipeline.loop.advance import advance_once
 
     shared = tmp_path / "shared-artifacts"
     server = MlflowServer(backend=mlflow_database, artifacts=shared, log=tmp_path / "mlflow-server.log")
@@ -213,8 +213,8 @@ def test_a_server_killed_mid_generation_fails_cleanly_and_the_rerun_completes_it
     specialist (its run exists) and nothing else; with the server back the same candidate completes."""
     from mlflow import MlflowClient
 
-    from pipeline.advance import advance_once
     from pipeline.cli.advance import make_tracker
+    from pipeline.loop.advance import advance_once
 
     server = MlflowServer(backend=f"sqlite:///{tmp_path / 'mlflow.db'}", artifacts=tmp_path / "artifacts",
                           log=tmp_path / "mlflow-server.log")  # fmt: skip

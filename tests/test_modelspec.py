@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.modelspec import ModelSpec, TinyBaseConfig, load_model_spec, model_spec_hash
-from pipeline.spec import SpecError
-from pipeline.tinymodel import TinyModelConfig
+from pipeline.environment.tinymodel import TinyModelConfig
+from pipeline.specs.loading import SpecError
+from pipeline.specs.modelspec import ModelSpec, TinyBaseConfig, load_model_spec, model_spec_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 

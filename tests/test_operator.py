@@ -10,8 +10,8 @@ import pytest
 from conftest import ROOT, write_specs
 from sqlalchemy import select
 
-from pipeline.advance import advance_once, begin_candidate, release_candidate, run_steps
-from pipeline.candidate import STEPS, AdvanceConfig, load_generation, mark_step
+from pipeline.loop.advance import advance_once, begin_candidate, release_candidate, run_steps
+from pipeline.loop.candidate import STEPS, AdvanceConfig, load_generation, mark_step
 from pipeline.registry import (
     AuditLog,
     create_generation,
@@ -78,7 +78,7 @@ def test_abandon_fails_the_candidate_counts_its_attempt_and_the_next_advance_sta
 
 def test_abandon_stops_a_run_still_building_the_candidate(lineage):
     """A run that holds the lease when the operator abandons its candidate stops at its next write."""
-    from pipeline.lease import Lease, LeaseLostError
+    from pipeline.loop.lease import Lease, LeaseLostError
     from pipeline.registry.generations import abandon_generation
 
     generation_id = begin_candidate(config=QUICK, owner="stuck-run")
@@ -120,10 +120,10 @@ def test_a_rollback_during_evaluation_is_not_undone_by_the_decision(small_base, 
     before it is decided: the decision must not promote 2 over 0, which it was never compared with."""
     import yaml
 
-    from pipeline.evaluation import evaluate_step
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.evaluation import evaluate_step
+    from pipeline.loop.founding import init_lineage
     from pipeline.registry import create_adapter, set_generation_adapter
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     specs = write_specs(tmp_path, small_base, heldout_size=40)
     contract = yaml.safe_load(specs["contract"].read_text())  # lenient gates: any gain promotes (the decision

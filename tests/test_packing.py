@@ -9,7 +9,7 @@ import logging
 import pytest
 from realmodel import CHATML, train_tokenizer
 
-from pipeline.packing import IGNORE, encode_chat, model_messages, render_prompt
+from pipeline.modeling.packing import IGNORE, encode_chat, model_messages, render_prompt
 
 TOOLS = [
     {

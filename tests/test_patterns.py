@@ -1,4 +1,4 @@
-"""Regular expressions from traces and contracts run on RE2 (``pipeline.scorers.patterns``), and a re-scoring
+"""Regular expressions from traces and contracts run on RE2 (``pipeline.scoring.patterns``), and a re-scoring
 that takes too long is stored as not verified (issue 22): each failed on main, where Python's backtracking
 ``re`` ran them and ``ratchet score`` hung on one trace."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.contract import load_contract
-from pipeline.scorers import TurnContext, run_scorer
-from pipeline.scorers.base import fenced_blocks
-from pipeline.scorers.config import JsonSchemaScorer, RegexScorer
+from pipeline.scoring.context import fenced_blocks
+from pipeline.scoring.scorers import TurnContext, run_scorer
+from pipeline.specs.contract import load_contract
+from pipeline.specs.scorers import JsonSchemaScorer, RegexScorer
 
 EVIL = "^(a+)+$"
 DEMO = Path(__file__).resolve().parents[1] / "contracts" / "demo.yaml"
@@ -104,7 +104,7 @@ def _registry_with(url: str, trace: dict, tmp_path: Path, scorers: list[dict]) -
     returns (experience id, contract version id)."""
     from sqlalchemy import select
 
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
     from pipeline.registry import Experience, get_engine, register_contract, session_scope
 
     path = tmp_path / "t.jsonl"

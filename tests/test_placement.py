@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from pipeline import placement as placement_module
 from pipeline.errors import RatchetError
-from pipeline.placement import placement, tokenizer_dir
+from pipeline.modeling import placement as placement_module
+from pipeline.modeling.placement import placement, tokenizer_dir
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
@@ -22,7 +22,7 @@ def test_auto_is_float32_on_the_cpu_and_cuda_is_refused_without_a_gpu():
 
 def test_half_precision_on_the_cpu_warns_once(caplog, monkeypatch):
     monkeypatch.setattr(placement_module, "_WARNED", set())
-    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.modeling.placement"):
         assert placement(dtype="float16", device="cpu").torch_dtype == torch.float16
         placement(dtype="float16", device="cpu")
     assert sum("slow" in r.message for r in caplog.records) == 1
@@ -34,13 +34,13 @@ def test_bfloat16_warns_only_without_native_support(caplog, monkeypatch):
     monkeypatch.setattr(placement_module, "_WARNED", set())
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.modeling.placement"):
         placement(dtype="bfloat16", device="cpu")
     assert any("slow" in r.message for r in caplog.records)
     caplog.clear()
     monkeypatch.setattr(placement_module, "_WARNED", set())
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="pipeline.placement"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.modeling.placement"):
         placement(dtype="bfloat16", device="cpu")
     assert not caplog.records
 
@@ -54,8 +54,8 @@ def test_loaded_models_follow_the_placement(tmp_path):
     """The loop's loader honours the dtype (bfloat16 on the CPU here: honoured, with the warning)."""
     from realmodel import build_real_model
 
-    from pipeline.decoding import SamplingConfig, generate, load_model
-    from pipeline.templating import encode_prompt
+    from pipeline.modeling.decoding import SamplingConfig, generate, load_model
+    from pipeline.modeling.templating import encode_prompt
 
     path = build_real_model(tmp_path / "m")
     model, tok = load_model(path, where=placement(dtype="bfloat16", device="cpu"))

@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from pipeline.curation import save_dataset
 from pipeline.environment import training_corpus
+from pipeline.environment.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
 from pipeline.errors import RatchetError
-from pipeline.modelspec import DpoSettings, LoraConfig
-from pipeline.packing import IGNORE, encode_chat
-from pipeline.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
+from pipeline.loop.curation import save_dataset
+from pipeline.modeling.packing import IGNORE, encode_chat
+from pipeline.specs.modelspec import DpoSettings, LoraConfig
 from pipeline.training import TrainConfig, train_lora, write_dataset
+from pipeline.training.dpo import train_dpo
 from pipeline.training.likelihood import sequence_logprobs
-from pipeline.training.preference import train_dpo
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                         max_position_embeddings=96, bootstrap_steps=40, bootstrap_batch_size=32,
@@ -59,7 +59,7 @@ def _margin(base_dir, adapter_dir, rows):
     """Mean summed log-probability of the preferred minus the other reply under base (+ adapter)."""
     import torch
 
-    from pipeline.decoding import load_model
+    from pipeline.modeling.decoding import load_model
 
     model, tok = load_model(base_dir, adapter_dir)
     examples = [encode_chat(tok, r[k], 96) for r in rows for k in ("messages", "rejected")]
@@ -88,7 +88,7 @@ def test_sequence_logprobs_equal_a_plain_forward_of_each_example(base_dir):
 
 
 def test_dpo_starts_at_log_2_and_learns_the_preference(base_dir, pairs_dir, tmp_path):
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     tracker = MLflowTracker(
         tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=tmp_path / "art"
@@ -181,7 +181,7 @@ def test_the_sft_weight_adds_the_preferred_replys_mean_nll(base_dir, pairs_dir, 
     """RPO: at step 1 the loss is log 2 plus the preferred replies' mean per-token NLL under the reference."""
     import torch
 
-    from pipeline.decoding import load_model
+    from pipeline.modeling.decoding import load_model
     from pipeline.training import batch_indices
 
     result = train_dpo(base_model_dir=base_dir, dataset_dir=pairs_dir, output_dir=tmp_path / "job",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.contract import load_contract
-from pipeline.eligibility import Candidate
-from pipeline.heldout import HeldoutIndex, heldout_index
-from pipeline.preferences import preference_pairs
+from pipeline.experience.eligibility import Candidate
+from pipeline.experience.preferences import preference_pairs
+from pipeline.specs.contract import load_contract
+from pipeline.specs.heldout import HeldoutIndex, heldout_index
 
 CONTRACT = load_contract(Path(__file__).resolve().parent.parent / "contracts" / "demo.yaml")
 HELDOUT = HeldoutIndex.build([("chat #0", "7+8=?")], ngram=6, threshold=0.5)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.contract import PromotionGates, RoutingSuite
-from pipeline.inference import compare_scores
-from pipeline.promotion import attempts_of, decide_step, judge, spent_rate
+from pipeline.gates.inference import compare_scores
+from pipeline.loop.promotion import attempts_of, decide_step, judge, spent_rate
+from pipeline.specs.contract import PromotionGates, RoutingSuite
 
 ROOT = Path(__file__).resolve().parent.parent
 GATES = PromotionGates(max_regression=0.05, min_heldout_samples=20)
@@ -187,7 +187,7 @@ def _bench():
 def test_a_lineage_rarely_promotes_noise_over_its_life_and_a_real_gain_gets_through():
     """bench/gates.py, smaller: 6 champion epochs x 10 equal-quality attempts at the demo's suite sizes,
     spending per suite (the ledger) vs restarting at every champion; a real +0.03 within 3 attempts."""
-    from pipeline.contract import load_contract
+    from pipeline.specs.contract import load_contract
 
     bench = _bench()
     gates = load_contract(ROOT / "contracts" / "demo.yaml").promotion
@@ -216,7 +216,7 @@ def test_a_masked_vocabulary_entry_adds_nothing_to_the_kl():
     """A token both models give probability 0 (log-probability -inf): 0 log 0 = 0, not NaN."""
     import torch
 
-    from pipeline.divergence import kl_sum
+    from pipeline.gates.divergence import kl_sum
 
     logits = torch.tensor([[2.0, 0.5, float("-inf")], [0.0, 1.0, float("-inf")]])
     p, q = torch.log_softmax(logits, -1), torch.log_softmax(logits * 0.5, -1)
@@ -243,8 +243,8 @@ def test_an_evaluated_specialist_with_no_compared_items_is_refused():
 def test_decide_step_refuses_an_evaluated_specialist_missing_from_the_comparison(lineage):
     """Through ``decide_step``: the evaluation held out agent's suite (``suites``) but compared no agent
     item; the candidate is rejected for it, not promoted on the other specialists' gain."""
-    from pipeline.advance import begin_candidate
-    from pipeline.candidate import AdvanceConfig, load_generation
+    from pipeline.loop.advance import begin_candidate
+    from pipeline.loop.candidate import AdvanceConfig, load_generation
     from pipeline.registry import get_engine, session_scope
 
     config = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, seed=1)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec, load_harness
-from pipeline.prompting import (
+from pipeline.experience.toolcalls import call_id
+from pipeline.modeling.prompting import (
     MESSAGE_OVERHEAD_CHARS,
     PROMPT_OVERHEAD_CHARS,
     call_text,
@@ -22,7 +22,7 @@ from pipeline.prompting import (
     prompt_chars,
     render_messages,
 )
-from pipeline.toolcalls import call_id
+from pipeline.specs.harness import HarnessSpec, load_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = yaml.safe_load((ROOT / "harnesses" / "demo.yaml").read_text())
@@ -141,8 +141,8 @@ def test_decoding_for_and_unknown_specialists():
 
 def test_prompt_chars_bound_the_tiny_models_tokens():
     """The character count is an upper bound of the tiny tokenizer's prompt length (role markers, bos)."""
-    tinymodel = pytest.importorskip("pipeline.tinymodel")
-    from pipeline.packing import render_prompt
+    tinymodel = pytest.importorskip("pipeline.environment.tinymodel")
+    from pipeline.modeling.packing import render_prompt
 
     tok = tinymodel.build_tokenizer()
     h = harness(include_system_prompt=True)

@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from pipeline.contract import ContractSpec
 from pipeline.errors import RatchetError
-from pipeline.experience import TraceError, ingest_file, parse_line, trace_row
-from pipeline.harness import HarnessSpec
-from pipeline.modelspec import ModelSpec
+from pipeline.experience.ingest import TraceError, ingest_file, parse_line, trace_row
 from pipeline.registry import Experience, Quarantine, session_scope
 from pipeline.registry.models import load_json
-from pipeline.spec import content_hash, validate_spec_text
+from pipeline.specs.contract import ContractSpec
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.loading import content_hash, validate_spec_text
+from pipeline.specs.modelspec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

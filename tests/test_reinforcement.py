@@ -9,14 +9,14 @@ import json
 import pytest
 
 from pipeline.environment import sample_prompts, training_corpus
-from pipeline.modelspec import GrpoSettings, LoraConfig
-from pipeline.packing import IGNORE
+from pipeline.environment.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.modeling.packing import IGNORE
 from pipeline.scoring import EpisodeReward
-from pipeline.tasksource import DemoTasks
-from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.specs.modelspec import GrpoSettings, LoraConfig
+from pipeline.specs.tasksource import DemoTasks
 from pipeline.training import TrainConfig, train_lora, write_dataset
+from pipeline.training.grpo import Episodes, roll_out, train_grpo
 from pipeline.training.likelihood import encode_episode
-from pipeline.training.reinforcement import Episodes, roll_out, train_grpo
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                         max_position_embeddings=96, bootstrap_steps=40, bootstrap_batch_size=32,
@@ -40,7 +40,7 @@ def _reply(trace) -> str:
 
 
 def test_grpo_raises_the_reward_it_is_given(base_dir, tmp_path):
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     tracker = MLflowTracker(
         tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=tmp_path / "art"
@@ -104,8 +104,8 @@ def caller(small_base, tmp_path_factory):
 def test_multi_turn_episodes_act_on_the_substrate(small_base, caller):
     """Each call is executed against the episode's own substrate state and its result given back; the
     episode goes on until a reply without a call or max_turns."""
-    from pipeline.decoding import load_model
     from pipeline.environment import TOOLS, initial_state
+    from pipeline.modeling.decoding import load_model
 
     model, tok = load_model(small_base, caller)
     source = DemoTasks(specialist="agent")
@@ -136,7 +136,7 @@ def test_multi_turn_episodes_act_on_the_substrate(small_base, caller):
 def test_the_turns_the_policy_wrote_are_trained_and_no_tool_result_or_exemplar_on_a_real_template(tmp_path):
     from realmodel import train_tokenizer
 
-    from pipeline.toolcalls import to_openai
+    from pipeline.experience.toolcalls import to_openai
 
     tok = train_tokenizer()
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
@@ -192,8 +192,8 @@ def test_grpo_runs_on_a_real_architecture_with_tools(tmp_path):
 
 def test_a_substrate_that_fails_on_a_call_answers_with_an_error(small_base, caller):
     """The model's calls are untrusted input: a substrate that raises on one ends nothing but that call."""
-    from pipeline.decoding import load_model
     from pipeline.environment import TOOLS
+    from pipeline.modeling.decoding import load_model
 
     def broken(state, call):
         raise KeyError(call["name"])
@@ -210,7 +210,7 @@ def test_the_update_trains_the_turns_the_reward_paid_for_and_none_after():
     """Found on main: a text turn ending a tool episode was paid by the call before it (a lie after a right
     `set_timer` earned 1.0) and trained on. The reward now names the checked turn it pays for; the update trains
     the policy's turns up to it and never the unchecked text after it."""
-    from pipeline.training.reinforcement import paid_turns
+    from pipeline.training.grpo import paid_turns
 
     episode = [
         {"role": "user", "content": "timer 20+27"},

@@ -1,5 +1,5 @@
 """No forgetting: retention suites gated for every candidate, KL to the base recorded and budgeted, and the
-accuracy matrix with backward transfer (``pipeline.retention``, ``pipeline.divergence``, ``pipeline.transfer``)."""
+accuracy matrix with backward transfer (``pipeline.gates.retention``, ``pipeline.gates.divergence``, ``pipeline.gates.transfer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.transfer import accuracy_matrix, generation_metrics
+from pipeline.gates.transfer import accuracy_matrix, generation_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = dict(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, validation_items=6, seed=1)
@@ -18,9 +18,9 @@ FAST = dict(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, val
 
 def _base_answers(base: Path, items: list[dict]) -> list[str]:
     """The bare base's greedy answers to ``items`` as the chat specialist (the demo harness)."""
-    from pipeline.harness import load_harness
-    from pipeline.pair import PairSpec, answer_items
-    from pipeline.placement import spec_placement
+    from pipeline.modeling.pair import PairSpec, answer_items
+    from pipeline.modeling.placement import spec_placement
+    from pipeline.specs.harness import load_harness
 
     pair = PairSpec(
         base, {"chat": None}, load_harness(ROOT / "harnesses" / "demo.yaml"), spec_placement(), base
@@ -59,10 +59,10 @@ def test_a_candidate_that_forgets_its_retention_suite_is_rejected_with_the_reaso
     in ``ratchet lineage --json``."""
     from conftest import init_with_corrections, write_specs
 
-    from pipeline.advance import advance_once
-    from pipeline.candidate import AdvanceConfig
     from pipeline.cli import main
     from pipeline.cli.advance import make_tracker
+    from pipeline.loop.advance import advance_once
+    from pipeline.loop.candidate import AdvanceConfig
     from pipeline.registry import Generation, get_engine, session_scope
 
     # chat trained hard (many passes, a high rate) on sums: it moves far from the base on sum prompts

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.sandbox import SandboxUnavailable, launcher
-from pipeline.scorers import run_io_tests, run_python_tests
+from pipeline.scoring.scorers import run_io_tests, run_python_tests
 
 ROOT = Path(__file__).resolve().parent.parent
 ADD_TESTS = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(-1, 1) == 0\n"
@@ -557,9 +557,9 @@ def test_without_bubblewrap_the_scorer_refuses_with_a_clear_message(monkeypatch)
     from pydantic import TypeAdapter
 
     from pipeline import sandbox as module
-    from pipeline.contract import Scorer
-    from pipeline.scorers import TurnContext, run_scorer
+    from pipeline.scoring.scorers import TurnContext, run_scorer
     from pipeline.settings import get_settings
+    from pipeline.specs.contract import Scorer
 
     module._checked.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -11,9 +11,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
-from pipeline.contract import ContractSpec, contract_hash, load_contract
 from pipeline.errors import NotFoundError
-from pipeline.harness import load_harness
 from pipeline.registry.models import Base, ContractVersion, Experience, HarnessVersion, Score
 from pipeline.scoring import (
     aggregate_turn,
@@ -22,7 +20,9 @@ from pipeline.scoring import (
     summarise_results,
     turn_specialists,
 )
-from pipeline.spec import validate_spec_text
+from pipeline.specs.contract import ContractSpec, contract_hash, load_contract
+from pipeline.specs.harness import load_harness
+from pipeline.specs.loading import validate_spec_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = load_contract(ROOT / "contracts" / "demo.yaml")
@@ -383,8 +383,8 @@ def test_the_rl_reward_is_the_verified_final_turn_and_cannot_be_bought():
     """What GRPO maximises: the final turn's contract score when it was verified. Attacks kept: spraying calls
     over an episode's turns, a right call followed by a wrong one, and an unverifiable ending pay nothing."""
     from pipeline.environment import sample_prompts
+    from pipeline.experience.toolcalls import to_openai
     from pipeline.scoring import EpisodeReward, episode_reward
-    from pipeline.toolcalls import to_openai
 
     contract = load_contract(ROOT / "contracts" / "demo.yaml")
     item = next(
@@ -437,7 +437,7 @@ def test_a_multi_turn_trace_is_selected_on_its_final_turn_not_its_mean():
 def test_a_text_turn_after_tool_calls_is_not_verified_by_them():
     """Found on main: "I could not set any timer, sorry. Also 2+2=5." after a right `set_timer(minutes=47)`
     scored 1.0 and was an SFT target: the call's verdict was lent to the text."""
-    from pipeline.toolcalls import to_openai
+    from pipeline.experience.toolcalls import to_openai
 
     call = {"role": "assistant", "content": None,
             "tool_calls": to_openai([{"name": "set_timer", "arguments": {"minutes": 47}}])}  # fmt: skip

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.contract import lint_file
-from pipeline.compatibility import check_harness
-from pipeline.contract import load_contract
-from pipeline.harness import load_harness
+from pipeline.specs.compatibility import check_harness
+from pipeline.specs.contract import load_contract
+from pipeline.specs.harness import load_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"contracts": "contract", "harnesses": "harness", "models": "model"}
@@ -65,7 +65,7 @@ def _wrong(item: dict) -> str:
 
 
 def test_demo_harness_tools_are_the_environments():
-    from pipeline.environment.toolcalls import TOOLS
+    from pipeline.environment.toolbox import TOOLS
 
     assert [t.model_dump(mode="json") for t in load_harness(DEMO_HARNESS).tools] == TOOLS
 
@@ -83,8 +83,8 @@ def test_demo_prompts_route_to_their_specialist():
 
 def test_demo_answers_fit_decoding_and_the_tiny_window():
     from pipeline.environment.tasks import FAMILIES, make_item
-    from pipeline.modelspec import load_model_spec
-    from pipeline.prompting import prompt_chars, render_messages
+    from pipeline.modeling.prompting import prompt_chars, render_messages
+    from pipeline.specs.modelspec import load_model_spec
 
     harness = load_harness(DEMO_HARNESS)
     positions = load_model_spec(ROOT / "models" / "tiny.yaml").base.tiny.max_position_embeddings

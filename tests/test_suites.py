@@ -1,4 +1,4 @@
-"""What a suite counts (``pipeline.suites``): repeated held-out items are refused with their lines named,
+"""What a suite counts (``pipeline.gates.suites``): repeated held-out items are refused with their lines named,
 correlated items carry their group into the evaluation, and every trained specialist is judged by a
 held-out suite or says ``ungated: true`` (and the dashboard shows it)."""
 
@@ -110,8 +110,8 @@ def test_lint_refuses_a_file_suite_that_repeats_an_item_naming_its_lines(tmp_pat
 
 def test_a_specialists_suites_are_one_list_and_a_retention_suite_its_own(tmp_path):
     """Two held-out suites of one specialist are evaluated as one list: an item in both is a repeat."""
-    from pipeline.contract import load_contract
-    from pipeline.suites import suite_problems
+    from pipeline.gates.suites import suite_problems
+    from pipeline.specs.contract import load_contract
 
     (a, b), (c, d) = heldout_operands(2)
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
@@ -183,8 +183,8 @@ def test_lint_refuses_a_generated_suite_that_repeats_naming_positions_and_genera
 
 
 def test_a_retention_suite_that_repeats_is_refused_too(tmp_path, repeats_generator):
-    from pipeline.contract import load_contract
-    from pipeline.suites import suite_problems
+    from pipeline.gates.suites import suite_problems
+    from pipeline.specs.contract import load_contract
 
     path = tmp_path / "geo.yaml"
     path.write_text(GEO + "    ungated: true\nretention:\n  - {name: keep, specialist: geo, generator: repeats, "
@@ -199,9 +199,9 @@ def test_a_retention_suite_that_repeats_is_refused_too(tmp_path, repeats_generat
 def test_an_empty_suite_is_refused(tmp_path, capsys, repeats_generator):
     """A held-out file with no items, or a generator that draws none, judges nothing: refused at lint and init
     (and adopt: the same ``require_counted``), not counted as the specialist's gate."""
-    from pipeline.contract import load_contract
-    from pipeline.lineage import init_lineage
-    from pipeline.suites import suite_problems
+    from pipeline.gates.suites import suite_problems
+    from pipeline.loop.founding import init_lineage
+    from pipeline.specs.contract import load_contract
 
     suite = tmp_path / "suite.jsonl"
     write_jsonl(suite, [None])  # an export that wrote nothing
@@ -227,10 +227,10 @@ def test_an_empty_suite_is_refused(tmp_path, capsys, repeats_generator):
 
 def test_the_demo_suites_hold_distinct_problems():
     """The demo generator draws each held-out problem once (``a+b`` and ``b+a`` are one), at every size."""
-    from pipeline.contract import load_contract
     from pipeline.environment import heldout_suite
     from pipeline.environment.problems import problem_keys
-    from pipeline.suites import suite_problems
+    from pipeline.gates.suites import suite_problems
+    from pipeline.specs.contract import load_contract
 
     demo = ROOT / "contracts" / "demo.yaml"
     assert suite_problems(load_contract(demo), contract_path=demo) == []
@@ -240,7 +240,7 @@ def test_the_demo_suites_hold_distinct_problems():
 
 # ------------------------------------------------------------------------------------------------- groups
 def test_item_groups_are_read_and_aligned_with_the_compared_items(tmp_path, capsys):
-    from pipeline.suites import compared_groups, item_groups
+    from pipeline.gates.suites import compared_groups, item_groups
 
     items = [
         chat_item("a", group="d1"),
@@ -268,7 +268,7 @@ def test_lint_and_init_refuse_a_group_the_gates_would_not_read(tmp_path, capsys)
     """A top-level ``group`` (read by no gate) or a non-string ``metadata.group``, in a held-out or a retention
     suite, is refused with the item's line: a group silently dropped would count a dialogue's turns as
     independent items."""
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     (a, b), (c, d), (e, f) = heldout_operands(3)
     suite, keep = tmp_path / "suite.jsonl", tmp_path / "keep.jsonl"
@@ -293,12 +293,12 @@ def test_lint_and_init_refuse_a_group_the_gates_would_not_read(tmp_path, capsys)
 def test_retention_reads_groups_as_the_heldout_suites_do(small_base):
     """One reader of groups (``item_groups``): a retention suite's record carries the groups the held-out
     evaluation would read from the same items -- a top-level or integer group is no group."""
-    from pipeline.contract import ContractSpec, RetentionSuite
-    from pipeline.harness import load_harness
-    from pipeline.pair import PairSpec
-    from pipeline.placement import spec_placement
-    from pipeline.retention import evaluate_suite
-    from pipeline.suites import compared_groups
+    from pipeline.gates.retention import evaluate_suite
+    from pipeline.gates.suites import compared_groups
+    from pipeline.modeling.pair import PairSpec
+    from pipeline.modeling.placement import spec_placement
+    from pipeline.specs.contract import ContractSpec, RetentionSuite
+    from pipeline.specs.harness import load_harness
 
     contract = ContractSpec.model_validate(
         {
@@ -325,11 +325,11 @@ def test_retention_reads_groups_as_the_heldout_suites_do(small_base):
 def test_evaluation_stores_each_compared_items_group(small_base, tmp_path):
     """A chat-only lineage on a file suite whose items come in dialogues of two: the evaluation keeps each
     compared item's group beside its scores, in suite order."""
-    from pipeline.advance import begin_candidate
-    from pipeline.candidate import AdvanceConfig, load_generation, mark_step
     from pipeline.environment import heldout_suite
-    from pipeline.evaluation import evaluate_step
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.advance import begin_candidate
+    from pipeline.loop.candidate import AdvanceConfig, load_generation, mark_step
+    from pipeline.loop.evaluation import evaluate_step
+    from pipeline.loop.founding import init_lineage
     from pipeline.registry import get_engine, session_scope
 
     specs = write_specs(tmp_path, small_base)
@@ -369,7 +369,7 @@ def demo_without_genui_suite(tmp_path: Path, base: Path, *, ungated: bool) -> di
 
 
 def test_init_and_lint_refuse_a_specialist_without_a_suite_unless_it_says_ungated(tmp_path, capsys):
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     specs = demo_without_genui_suite(tmp_path, tmp_path / "no-model-needed", ungated=False)
     with pytest.raises(RatchetError) as refused:
@@ -394,11 +394,8 @@ def test_init_and_lint_refuse_a_specialist_without_a_suite_unless_it_says_ungate
 def test_advance_refuses_a_lineage_whose_contract_leaves_a_specialist_ungated_unsaid(tmp_path):
     """A lineage registered before the rule (its stored contract gives genui no suite and does not say
     ``ungated: true``) builds no candidate: genui would be trained and promoted with no gate, silently."""
-    from pipeline.advance import advance_once
-    from pipeline.candidate import AdvanceConfig
-    from pipeline.contract import load_contract
-    from pipeline.harness import load_harness
-    from pipeline.modelspec import load_model_spec
+    from pipeline.loop.advance import advance_once
+    from pipeline.loop.candidate import AdvanceConfig
     from pipeline.registry import (
         create_generation,
         get_engine,
@@ -409,6 +406,9 @@ def test_advance_refuses_a_lineage_whose_contract_leaves_a_specialist_ungated_un
         register_harness,
         session_scope,
     )
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
+    from pipeline.specs.modelspec import load_model_spec
 
     specs = demo_without_genui_suite(tmp_path, tmp_path / "base", ungated=False)
     contract, harness = load_contract(specs["contract"]), load_harness(HARNESS)
@@ -438,7 +438,7 @@ def test_an_ungated_specialist_is_accepted_when_said_and_shown_on_the_dashboard(
     from fastapi.testclient import TestClient
 
     from pipeline.dashboard import create_app
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
     from pipeline.settings import get_settings
 
     specs = demo_without_genui_suite(tmp_path, small_base, ungated=True)

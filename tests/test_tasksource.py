@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import RatchetError
-from pipeline.tasksource import FileTasks, draw, generator_source, parse_items
+from pipeline.specs.tasksource import FileTasks, draw, generator_source, parse_items
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def test_third_party_generator_by_entry_point(tmp_path, monkeypatch):
 
 
 def test_draw_leaves_out_what_the_heldout_predicate_matches():
-    from pipeline.heldout import HeldoutIndex
+    from pipeline.specs.heldout import HeldoutIndex
 
     index = HeldoutIndex.build([("suite #0", "question 3")], ngram=8, threshold=0.5)
     got, left_out = draw(FileTasks(items(10), validation_share=0.01), "train", 10, 0, heldout=index)
@@ -117,7 +117,7 @@ def test_draw_leaves_out_what_the_heldout_predicate_matches():
 
 def test_init_refuses_task_files_with_heldout_prompts(tmp_path, monkeypatch):
     """A task item that contains a held-out prompt would be practised on: registration stops, named."""
-    from pipeline.lineage import require_clean_tasks
+    from pipeline.loop.founding import require_clean_tasks
 
     suite = tmp_path / "heldout.jsonl"
     suite.write_text(
@@ -149,7 +149,7 @@ heldout:
   - {{specialist: answer, path: heldout.jsonl, sha256: "{digest(suite)}"}}
 """
     )
-    from pipeline.contract import load_contract
+    from pipeline.specs.contract import load_contract
 
     with pytest.raises(
         RatchetError, match=r"specialists.answer.tasks: train item \d+ contains held-out prompt"
@@ -158,7 +158,7 @@ heldout:
 
 
 def test_the_demo_substrate_executes_calls_and_answers_mistakes_as_tool_results():
-    from pipeline.tasksource import DemoTasks
+    from pipeline.specs.tasksource import DemoTasks
 
     source = DemoTasks(specialist="agent")
     state = source.reset({})
@@ -174,7 +174,7 @@ def test_init_refuses_grpo_for_a_specialist_without_a_task_source(tmp_path):
     """GRPO practises on a task source's prompts: a specialist with none is refused at registration."""
     import yaml
 
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     contract = yaml.safe_load((ROOT / "contracts" / "demo.yaml").read_text())
     contract["version"] = "no-tasks"
@@ -218,7 +218,7 @@ def _capitals_package(tmp_path, monkeypatch) -> None:
 
 
 def _contract(tmp_path, suite: str, options: str = "{}"):
-    from pipeline.contract import load_contract
+    from pipeline.specs.contract import load_contract
 
     path = tmp_path / "c.yaml"
     path.write_text(
@@ -238,7 +238,7 @@ heldout:
 
 
 def test_a_generators_canonical_form_keeps_its_held_out_problems_out_however_worded(tmp_path, monkeypatch):
-    from pipeline.heldout import heldout_index
+    from pipeline.specs.heldout import heldout_index
 
     _capitals_package(tmp_path, monkeypatch)
     contract, _ = _contract(tmp_path, "{specialist: geo, generator: capitals, seed: 0, size: 5}")
@@ -256,7 +256,7 @@ def test_a_generators_canonical_form_keeps_its_held_out_problems_out_however_wor
 
 
 def test_a_file_suite_is_read_in_its_specialists_generator_form(tmp_path, monkeypatch):
-    from pipeline.heldout import heldout_index
+    from pipeline.specs.heldout import heldout_index
 
     _capitals_package(tmp_path, monkeypatch)
     suite = tmp_path / "suite.jsonl"
@@ -272,7 +272,7 @@ def test_a_file_suite_is_read_in_its_specialists_generator_form(tmp_path, monkey
 
 
 def test_a_canonical_form_that_fails_is_named_at_build_and_refuses_at_use(tmp_path, monkeypatch):
-    from pipeline.heldout import HeldoutIndex
+    from pipeline.specs.heldout import HeldoutIndex
 
     _capitals_package(tmp_path, monkeypatch)
     source = generator_source("capitals", specialist="geo", options={"failing": True})
@@ -291,7 +291,7 @@ def test_a_canonical_form_that_fails_is_named_at_build_and_refuses_at_use(tmp_pa
 
 
 def test_the_demo_source_gives_the_unordered_pair_in_any_family():
-    from pipeline.tasksource import DemoTasks, canonical_of
+    from pipeline.specs.tasksource import DemoTasks, canonical_of
 
     keys = {
         frozenset(canonical_of(DemoTasks(specialist=family))(item["messages"]))

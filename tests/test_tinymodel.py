@@ -7,7 +7,12 @@ import json
 import pytest
 
 from pipeline.environment import training_corpus
-from pipeline.tinymodel import TinyModelConfig, build_tiny_model, build_tokenizer, ensure_tiny_model
+from pipeline.environment.tinymodel import (
+    TinyModelConfig,
+    build_tiny_model,
+    build_tokenizer,
+    ensure_tiny_model,
+)
 
 SMALL = TinyModelConfig(
     hidden_size=32,
@@ -75,7 +80,7 @@ def test_ensure_reuses_cache_and_rebuilds_on_config_change(model_dir, tmp_path_f
 def test_a_build_counts_only_for_its_own_config(model_dir, tmp_path):
     import shutil
 
-    from pipeline.tinymodel import tiny_model_built
+    from pipeline.environment.tinymodel import tiny_model_built
 
     assert tiny_model_built(model_dir, SMALL)
     assert not tiny_model_built(model_dir, TinyModelConfig(**{**SMALL.__dict__, "bootstrap_steps": 3}))

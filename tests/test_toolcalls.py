@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.toolcalls import answered_trace, assistant_message, split_tool_calls
+from pipeline.experience.toolcalls import answered_trace, assistant_message, split_tool_calls
 
 NAMES = ["set_timer", "add_item"]
 
@@ -56,7 +56,7 @@ def test_assistant_message_and_answered_trace():
 
 def test_a_number_longer_than_python_converts_is_not_a_call_and_never_a_crash():
     """Hostile model output: 5,000 digits in a call's argument (Python refuses more than 4,300)."""
-    from pipeline.toolcalls import assistant_message, from_openai
+    from pipeline.experience.toolcalls import assistant_message, from_openai
 
     huge = "9" * 5000
     for fmt, text in (("compact", f"set_timer(minutes={huge})"),
@@ -72,7 +72,7 @@ def test_tool_call_ids_are_nine_alphanumerics_every_template_accepts():
     shape; an ingested OpenAI id is mapped to it the same way each time (a call and its result still match)."""
     import re
 
-    from pipeline.toolcalls import call_id, openai_tool_call, template_call_id, to_openai
+    from pipeline.experience.toolcalls import call_id, openai_tool_call, template_call_id, to_openai
 
     ids = [
         tc["id"] for tc in to_openai([{"name": "set_timer", "arguments": {"minutes": m}} for m in range(50)])

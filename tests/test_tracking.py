@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.tracking import MLflowTracker, Tracker
+from pipeline.registry.tracking import MLflowTracker, Tracker
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pipeline.decoding import load_model
 from pipeline.environment import FAMILIES, collect, evaluate, heldout_suite, sample_prompts, training_corpus
+from pipeline.environment.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
 from pipeline.errors import RatchetError
-from pipeline.packing import IGNORE, encode_chat, packed_tensors
-from pipeline.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
+from pipeline.modeling.decoding import load_model
+from pipeline.modeling.packing import IGNORE, encode_chat, packed_tensors
 from pipeline.training import TrainConfig, train_lora, write_dataset
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -154,7 +154,7 @@ def test_train_save_lineage_tracking_and_plain_peft_loading(base_dir, dataset_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     tracker = MLflowTracker(
         tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_root=tmp_path / "art"
@@ -292,7 +292,7 @@ def test_real_architecture_sharded_without_pad_token_trains_full_length_examples
     from realmodel import build_real_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.spec import file_sha256, weights_sha256
+    from pipeline.specs.loading import file_sha256, weights_sha256
     from pipeline.training.job import sequence_limit
 
     base = build_real_model(tmp_path / "qwen")
@@ -322,7 +322,7 @@ def test_real_architecture_sharded_without_pad_token_trains_full_length_examples
 
 
 def test_weights_hash_names_a_missing_shard(tmp_path):
-    from pipeline.spec import weights_sha256
+    from pipeline.specs.loading import weights_sha256
 
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps(

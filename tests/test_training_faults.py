@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from pipeline.candidate import AdvanceConfig
 from pipeline.environment import training_corpus
-from pipeline.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.environment.tinymodel import TinyModelConfig, ensure_tiny_model
+from pipeline.loop.candidate import AdvanceConfig
 from pipeline.training import TrainConfig, train_lora, write_dataset
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -192,7 +192,7 @@ def test_a_pickle_planted_in_the_checkpoints_is_never_unpickled(base_dir, datase
 # ---- the artifact store refuses the adapter, through the training step ---------------------------------------
 def _curated_candidate():
     """Generation 1 of the ``lineage`` fixture built up to training (from the ingested corrections only)."""
-    from pipeline.advance import begin_candidate, step_functions
+    from pipeline.loop.advance import begin_candidate, step_functions
 
     config = ADVANCE
     gid = begin_candidate(config=config, owner="test")
@@ -203,7 +203,7 @@ def _curated_candidate():
 
 def _first_job_dir(gid):
     """The output directory of the first specialist the training step trains."""
-    from pipeline.candidate import artifacts_for
+    from pipeline.loop.candidate import artifacts_for
     from pipeline.registry import TrainingDataset, get_engine, session_scope
 
     with session_scope(get_engine()) as s:
@@ -214,7 +214,7 @@ def _first_job_dir(gid):
 def _assert_failed_cleanly(gid, specialist, job_dir, why):
     """Failed with the reason; the champion, the adapters and MLflow's model registry untouched."""
     from pipeline.registry import Adapter, Generation, get_champion, get_engine, session_scope
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     with session_scope(get_engine()) as s:
         gen = s.get(Generation, gid)
@@ -237,7 +237,7 @@ def test_an_unwritable_artifact_store_fails_the_candidate_and_keeps_the_champion
     """The job's directory made immutable (``chattr +i``: root ignores permission bits but not this; as
     another user, ``chmod a-w``): saving the adapter fails, the generation ends failed with why."""
     from pipeline.errors import RatchetError
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
     from pipeline.training import train_step
 
     gid, config = _curated_candidate()
@@ -259,7 +259,7 @@ def test_an_unwritable_artifact_store_fails_the_candidate_and_keeps_the_champion
     assert "\n" not in message
     why = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"
     _assert_failed_cleanly(gid, specialist, job_dir, why)
-    from pipeline.advance import begin_candidate
+    from pipeline.loop.advance import begin_candidate
     from pipeline.registry import Generation, get_engine, session_scope
 
     with session_scope(get_engine()) as s:  # failed is final: the next advance builds a new candidate
@@ -279,8 +279,8 @@ def _mount_namespace() -> list[str] | None:
 
 TRAIN_IN_CHILD = """
 import json, sys
-from pipeline.candidate import AdvanceConfig
-from pipeline.tracking import MLflowTracker
+from pipeline.loop.candidate import AdvanceConfig
+from pipeline.registry.tracking import MLflowTracker
 from pipeline.training import train_step
 train_step(generation_id=int(sys.argv[1]), config=AdvanceConfig(**json.loads(sys.argv[2])),
            tracker=MLflowTracker.from_settings())
@@ -325,7 +325,7 @@ def test_a_training_step_that_failed_after_its_job_finished_reuses_the_job(linea
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from pipeline.registry import Adapter, get_engine, session_scope
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
     from pipeline.training import train_step
 
     gid, config = _curated_candidate()

@@ -21,9 +21,9 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from pipeline.advance import advance_once
-from pipeline.candidate import AdvanceConfig, done_steps
 from pipeline.environment.tasks import split_of
+from pipeline.loop.advance import advance_once
+from pipeline.loop.candidate import AdvanceConfig, done_steps
 
 FAST = AdvanceConfig(prompts_per_specialist=24, samples_per_prompt=2, min_examples=2, validation_items=6,
                      seed=1, collect=False)  # fmt: skip
@@ -65,7 +65,7 @@ def _serve() -> tuple[subprocess.Popen, str]:
 
 
 def _keys(**scopes: str) -> dict[str, str]:
-    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.experience.principals import OPERATOR, parse_scopes
     from pipeline.registry import create_api_key, get_engine, session_scope
 
     out = {}
@@ -179,11 +179,11 @@ def test_only_what_a_trusted_party_verified_is_learned(trust_lineage):
     assert coding[by_id[tested.id]]["messages"][-1]["content"] == f"def f(x):return x+{c + d}"
 
     # exemplars, router rows and GRPO prompts: the same gate
-    from pipeline.candidate import contract_of, load_generation
-    from pipeline.eligibility import eligible_examples, lineage_candidates
-    from pipeline.evaluation import router_training_traces
-    from pipeline.harness import HarnessSpec
+    from pipeline.experience.eligibility import eligible_examples, lineage_candidates
+    from pipeline.loop.candidate import contract_of, load_generation
+    from pipeline.loop.evaluation import router_training_traces
     from pipeline.registry import get_engine, session_scope
+    from pipeline.specs.harness import HarnessSpec
     from pipeline.training.step import grpo_episodes
 
     with session_scope(get_engine()) as s:

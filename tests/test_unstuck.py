@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from conftest import init_with_corrections, write_specs
 
-from pipeline.advance import advance_once
-from pipeline.candidate import AdvanceConfig
-from pipeline.eligibility import in_validation_slice
 from pipeline.environment import reference_answer, sample_prompts
+from pipeline.experience.eligibility import in_validation_slice
+from pipeline.loop.advance import advance_once
+from pipeline.loop.candidate import AdvanceConfig
 from pipeline.registry import get_champion, get_engine, insert_traces, list_generations, session_scope
 
 CONFIG = AdvanceConfig(prompts_per_specialist=8, samples_per_prompt=2, min_examples=2, validation_items=4,
@@ -167,7 +167,7 @@ def test_rows_that_cannot_be_rendered_encoded_or_stored_are_dropped_and_counted(
 
 
 def test_tool_call_arguments_are_stored_as_json_text():
-    from pipeline.experience import validate_trace
+    from pipeline.experience.ingest import validate_trace
     from pipeline.serving.recorder import served_trace_row
 
     messages = [
@@ -190,7 +190,7 @@ def test_tool_call_arguments_are_stored_as_json_text():
     "tools", [[1], "x", [{"type": "function", "function": {"name": ""}}], [{"function": 3}]]
 )
 def test_malformed_metadata_tools_are_refused_at_the_server_and_at_ingest(tools):
-    from pipeline.experience import TraceError, validate_trace
+    from pipeline.experience.ingest import TraceError, validate_trace
     from pipeline.serving.protocol import ApiError, ChatRequest, parse_body
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"tools": tools}}

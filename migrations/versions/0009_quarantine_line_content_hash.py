@@ -22,7 +22,7 @@ down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-RAW_KEEP = 4096  # bytes of a bad line quarantine keeps (pipeline.experience.RAW_KEEP when this was written)
+RAW_KEEP = 4096  # bytes of a bad line quarantine keeps (pipeline.experience.ingest.RAW_KEEP when this was written)
 
 
 def _whole_line_sha256(raw: str) -> str | None:

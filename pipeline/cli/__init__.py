@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # SQLite's write lock held past the busy timeout: one line, not a traceback
-        from pipeline.lease import held_leases
+        from pipeline.loop.lease import held_leases
         from pipeline.registry.db import registry_busy
 
         busy = registry_busy(exc, ours=frozenset(lease.owner for lease in held_leases()))

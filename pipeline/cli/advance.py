@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.candidate import AdvanceConfig
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
+from pipeline.loop.candidate import AdvanceConfig
 
 LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
 PromptsOpt = Annotated[
@@ -21,9 +21,9 @@ MAX_REASON = 500  # an operator's reason, as the dashboard's form takes it
 
 def lineage_rows(lineage: str) -> list[dict[str, Any]]:
     """The lineage as plain data (what `ratchet lineage --json` prints)."""
-    from pipeline.discovery import discovery_summary
+    from pipeline.gates.transfer import lineage_matrix
+    from pipeline.loop.discovery import discovery_summary
     from pipeline.registry import get_engine, list_generations, session_scope
-    from pipeline.transfer import lineage_matrix
 
     rows = []
     with session_scope(get_engine()) as session:
@@ -50,7 +50,7 @@ def lineage_rows(lineage: str) -> list[dict[str, Any]]:
                     "attempt": ev.get("attempt"),
                     "unscored": ev.get("unscored") or {},  # held-out items left out: unscored on a pair
                     # the accuracy matrix's row (held-out and retention suites) and backward transfer
-                    # (pipeline.transfer), and the KL of each specialist to the base and to its parent
+                    # (pipeline.gates.transfer), and the KL of each specialist to the base and to its parent
                     "accuracy": matrix["rows"][g.number],
                     "backward_transfer": matrix["backward_transfer"][g.number],
                     "divergence": ev.get("divergence") or {},
@@ -123,7 +123,7 @@ def print_lineage(lineage: str) -> None:
         console = Console(width=160)
     console.print(table)
     champion = next((r for r in rows if r["status"] == "promoted"), None)
-    if champion is not None and champion["backward_transfer"]:  # pipeline.transfer
+    if champion is not None and champion["backward_transfer"]:  # pipeline.gates.transfer
         console.print(
             f"champion (generation {champion['generation']}) per suite, backward transfer since the suite was "
             "first measured on its line: "
@@ -133,7 +133,7 @@ def print_lineage(lineage: str) -> None:
             ),
             highlight=False,
         )
-    if champion is not None and champion["divergence"]:  # pipeline.divergence
+    if champion is not None and champion["divergence"]:  # pipeline.gates.divergence
         console.print(
             "champion's mean per-token KL to the base model (nats, on its held-out answers): "
             + ", ".join(f"{s} {d['kl_to_base']:.4f}" for s, d in sorted(champion["divergence"].items())),
@@ -155,7 +155,7 @@ def lineage_cmd(
 
 def make_tracker():
     """The MLflow tracker on the configured store (None if tracking is disabled)."""
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     return MLflowTracker.from_settings()
 
@@ -241,9 +241,9 @@ def ensure_base_model(lineage: str) -> None:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from pipeline.modelspec import ModelSpec
     from pipeline.registry import get_champion, get_engine, session_scope
     from pipeline.settings import apply_torch_threads
+    from pipeline.specs.modelspec import ModelSpec
 
     apply_torch_threads()
 
@@ -258,7 +258,7 @@ def ensure_base_model(lineage: str) -> None:
     if spec.base.tiny is None:
         raise RatchetError(f"base model directory {path} is missing (no config.json)")
     from pipeline.environment import training_corpus
-    from pipeline.tinymodel import build_tiny_model
+    from pipeline.environment.tinymodel import build_tiny_model
 
     config = spec.base.tiny.to_tiny_model_config()
     with Progress(
@@ -286,7 +286,7 @@ def promote_cmd(
     reason: Annotated[str, typer.Option(help="Why (kept in the audit log).")] = "manual override",
 ) -> None:
     """Make GENERATION the champion by hand (audited); refused when it makes no sense."""
-    from pipeline.promotion import sync_champion_aliases
+    from pipeline.loop.promotion import sync_champion_aliases
     from pipeline.registry import get_engine, get_generation, promote_generation, session_scope
 
     with session_scope(get_engine()) as session:
@@ -304,7 +304,7 @@ def promote_cmd(
 @app.command("rollback")
 def rollback_cmd(lineage: LineageOpt = "main") -> None:
     """Retire the champion and restore its parent (audited)."""
-    from pipeline.promotion import sync_champion_aliases
+    from pipeline.loop.promotion import sync_champion_aliases
     from pipeline.registry import get_engine, rollback_champion, session_scope
 
     with session_scope(get_engine()) as session:
@@ -339,7 +339,7 @@ def abandon_cmd(
 @app.command("sync-aliases")
 def sync_aliases_cmd(lineage: LineageOpt = "main") -> None:
     """Point MLflow's `champion` aliases at the registry's champion (after MLflow was unreachable)."""
-    from pipeline.promotion import sync_champion_aliases
+    from pipeline.loop.promotion import sync_champion_aliases
 
     count = sync_champion_aliases(lineage=lineage, tracker=make_tracker)
     typer.echo(f"{count} champion alias(es) of {lineage!r} match the registry")
@@ -357,7 +357,7 @@ def demo_cmd(
     import time
 
     from pipeline.cli.core import REPO_ROOT as root
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
     from pipeline.settings import get_settings
 
     started = time.perf_counter()

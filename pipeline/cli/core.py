@@ -9,7 +9,7 @@ import typer
 
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
-from pipeline.principals import OPERATOR
+from pipeline.experience.principals import OPERATOR
 
 db_app = typer.Typer(
     help="Create, upgrade or downgrade the registry's schema (Alembic migrations).", no_args_is_help=True
@@ -72,7 +72,7 @@ def init(
     lineage: Annotated[str, typer.Option(help="Lineage name.")] = "main",
 ) -> None:
     """Register a contract, harness and base model, and create generation 0 (the first champion)."""
-    from pipeline.lineage import init_lineage
+    from pipeline.loop.founding import init_lineage
 
     result = init_lineage(contract_path=contract, harness_path=harness, model_path=model, lineage=lineage)
     typer.echo(result.describe())
@@ -99,7 +99,7 @@ def ingest(
     Ingest is the operator's trusted path: the traces' metadata, ratings and corrections count as given."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
     from pipeline.registry import get_champion, get_engine, get_generation, session_scope
 
     engine = get_engine()

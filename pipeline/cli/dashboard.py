@@ -35,7 +35,7 @@ def dashboard(
     import uvicorn
 
     from pipeline.dashboard import create_app
-    from pipeline.dashboard.app import LOOPBACK_HOSTS
+    from pipeline.dashboard.webapp import LOOPBACK_HOSTS
     from pipeline.errors import RatchetError
     from pipeline.settings import get_settings
 

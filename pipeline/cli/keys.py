@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import app
-from pipeline.principals import SCOPES
+from pipeline.experience.principals import SCOPES
 
 keys_app = typer.Typer(
     help="API keys of `ratchet serve`: each key is a principal with scopes (chat, certify, rate, correct, admin).",
@@ -33,7 +33,7 @@ def create(
     scope: Annotated[str, typer.Option(help=f"Comma-separated scopes: {', '.join(SCOPES)}.")] = "chat",
 ) -> None:
     """Create a key and print it (shown once: the registry keeps only its sha256)."""
-    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.experience.principals import OPERATOR, parse_scopes
     from pipeline.registry import create_api_key
 
     scopes = parse_scopes(scope)
@@ -73,7 +73,7 @@ def list_keys(
 @keys_app.command("revoke")
 def revoke(name: Annotated[str, typer.Argument(help="The key's name.")]) -> None:
     """Revoke a key: a running server refuses it within seconds. Its name stays taken."""
-    from pipeline.principals import OPERATOR
+    from pipeline.experience.principals import OPERATOR
     from pipeline.registry import revoke_api_key
 
     with _session() as session:

@@ -1,4 +1,4 @@
-"""``ratchet up``: the whole single-machine stack in one command (``pipeline.stack``)."""
+"""``ratchet up``: the whole single-machine stack in one command (``pipeline.cli.stack``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import app
-from pipeline.stack import StackConfig
+from pipeline.cli.stack import StackConfig
 
 
 @app.command("up")
@@ -36,7 +36,7 @@ def up_cmd(
 ) -> None:
     """Start a Prefect server, a process worker per pool (ratchet-cpu, ratchet-gpu), the MLflow UI, the
     dashboard and the server; print their addresses; stop all of it on Ctrl-C or SIGTERM."""
-    from pipeline.stack import run_stack
+    from pipeline.cli.stack import run_stack
 
     config = StackConfig(
         host=host,

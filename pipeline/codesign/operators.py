@@ -6,7 +6,7 @@ from one operator:
 
 - ``fewshot``: each specialist's exemplars become a few of its top-scoring exchanges (the newest user
   message and the replies after it), chosen only among traces the contract verified at or above its
-  selection threshold, never ones the held-out predicate excludes (``pipeline.heldout``), and only as
+  selection threshold, never ones the held-out predicate excludes (``pipeline.specs.heldout``), and only as
   many as fit the context budget next to the longest prompt seen (so a real turn still fits);
 - ``decoding``: ``max_new_tokens`` tightened to the longest successful answer (characters, an upper
   bound of tokens for any tokenizer on ASCII text) plus a margin, and ``"\\n"`` added as a stop string
@@ -34,20 +34,20 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pipeline.compatibility import check_harness, require_compatible
-from pipeline.contract import ContractSpec
-from pipeline.harness import Exemplar, ExemplarMessage, HarnessSpec, ToolCallSpec, template_slots
-from pipeline.prompting import (
+from pipeline.experience.toolcalls import call_text, compact_value_ok
+from pipeline.modeling.prompting import (
     MESSAGE_OVERHEAD_CHARS,
     PROMPT_OVERHEAD_CHARS,
     message_chars,
     prompt_budget_chars,
 )
-from pipeline.spec import content_hash
-from pipeline.toolcalls import call_text, compact_value_ok
+from pipeline.specs.compatibility import check_harness, require_compatible
+from pipeline.specs.contract import ContractSpec
+from pipeline.specs.harness import Exemplar, ExemplarMessage, HarnessSpec, ToolCallSpec, template_slots
+from pipeline.specs.loading import content_hash
 
 if TYPE_CHECKING:
-    from pipeline.heldout import HeldoutIndex
+    from pipeline.specs.heldout import HeldoutIndex
 
 log = logging.getLogger(__name__)
 

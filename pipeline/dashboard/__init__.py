@@ -5,6 +5,6 @@ provenance, trends, experience and records, as server-rendered pages and a JSON 
 who may act; ``actions`` acts; ``app`` serves it all.
 """
 
-from pipeline.dashboard.app import create_app
+from pipeline.dashboard.webapp import create_app
 
 __all__ = ["create_app"]

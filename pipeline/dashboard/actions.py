@@ -63,8 +63,8 @@ def _with_aliases(result: dict[str, Any], *, factory: sessionmaker, settings: Se
     """MLflow's champion aliases follow the committed move; where MLflow fails the move stands (the registry
     is the truth) and the answer says how the aliases get repaired."""
     from pipeline.errors import RatchetError
-    from pipeline.promotion import sync_champion_aliases
-    from pipeline.tracking import MLflowTracker
+    from pipeline.loop.promotion import sync_champion_aliases
+    from pipeline.registry.tracking import MLflowTracker
 
     try:
         sync_champion_aliases(

@@ -47,8 +47,8 @@ def item_comparison(
     """The candidate against its parent item by item on the held-out suites: newly solved (total at or
     above the contract's ``selection.min_score``), newly failed, better, worse, unchanged; counts of all of
     them, and ``ROWS_PER_PAGE`` items from ``offset`` (a suite is a fixed, bounded list: offsets are fine)."""
-    from pipeline.contract import stored_contract
     from pipeline.registry import EvaluationItem
+    from pipeline.specs.contract import stored_contract
 
     gen = get_generation_row(session, lineage, number)
     solved = stored_contract(gen.contract_version.spec).selection.min_score

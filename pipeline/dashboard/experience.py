@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import and_, func, select
 
-from pipeline.eligibility import UNKNOWN_PRINCIPAL
 from pipeline.errors import NotFoundError
+from pipeline.experience.eligibility import UNKNOWN_PRINCIPAL
 from pipeline.registry.models import load_json
 from pipeline.scoring.trace import FINAL
 
@@ -140,8 +140,8 @@ class ExperienceQuery(BaseModel):
 
 
 def message_text(message: dict[str, Any]) -> str:
-    """A message's text (``pipeline.texts.message_text``), else its tool calls as ``name(arguments)``."""
-    from pipeline.texts import message_text as content_text
+    """A message's text (``pipeline.experience.texts.message_text``), else its tool calls as ``name(arguments)``."""
+    from pipeline.experience.texts import message_text as content_text
 
     text = content_text(message)
     calls = message.get("tool_calls") or []

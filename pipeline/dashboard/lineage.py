@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from pipeline import discovery
 from pipeline.errors import NotFoundError
-from pipeline.transfer import matrix_view, measured
+from pipeline.gates.transfer import matrix_view, measured
+from pipeline.loop import discovery
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -62,7 +62,7 @@ def _summarise(gen: Generation) -> dict[str, Any]:
         "parent_retention": {
             n: _mean_interval(r.get("parent") or []) for n, r in (ev.get("retention") or {}).items()
         },
-        "measured": measured(ev, "candidate"),  # the accuracy matrix's cells (pipeline.transfer)
+        "measured": measured(ev, "candidate"),  # the accuracy matrix's cells (pipeline.gates.transfer)
         "parent_measured": measured(ev, "parent"),
         "router": (ev.get("router") or {}).get("accuracy"),
         "parent_router": (ev.get("parent_router") or {}).get("accuracy"),
@@ -176,9 +176,11 @@ def generation_detail(
     held-out scores against the parent per specialist with deltas and intervals, the gate's verdict,
     router accuracy and confusion, and what curation kept and dropped (by specialist and reason, and by the
     principal whose turn it was and reason)."""
-    from pipeline.contract import stored_contract
-    from pipeline.promotion import t_quantile  # the gates' own quantiles: the page shows what they computed
+    from pipeline.loop.promotion import (
+        t_quantile,  # the gates' own quantiles: the page shows what they computed
+    )
     from pipeline.registry import Generation, TrainingDataset
+    from pipeline.specs.contract import stored_contract
 
     gen = get_generation_row(session, lineage, number)
     parent = session.get(Generation, gen.parent_id) if gen.parent_id else None

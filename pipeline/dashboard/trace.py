@@ -3,7 +3,7 @@ specialist answered from, its hidden summary), who sent it and what they claimed
 beside every score under every contract version, feedback (counted, with who gave it, or claimed), and the
 adapters it trained.
 
-Who sent a trace is its *principal* (``pipeline.principals``). What a client attached without the scope to
+Who sent a trace is its *principal* (``pipeline.experience.principals``). What a client attached without the scope to
 certify it is kept under ``metadata.claimed``, and feedback from a principal without ``rate``/``correct``
 under ``feedback.claimed``: both are shown here labelled as claimed, and no scorer reads them. The verdict is
 the ``final`` row's (``experience.final_status``): a trace whose final turn no verifying check passed reads
@@ -29,7 +29,7 @@ from pipeline.dashboard.experience import (
     message_text,
 )
 from pipeline.errors import NotFoundError
-from pipeline.principals import ANONYMOUS, LOOP, OPERATOR
+from pipeline.experience.principals import ANONYMOUS, LOOP, OPERATOR
 from pipeline.scoring.trace import FINAL, TOTAL
 
 if TYPE_CHECKING:
@@ -136,8 +136,8 @@ def _views(
     under the harness that served it (the context policy, exemplars and ``keep_turns``; the token budget's
     trimming needs the model's tokenizer and is not redone here)."""
     from pipeline.errors import RatchetError
-    from pipeline.harness import HarnessSpec
     from pipeline.serving.views import TurnMemory, TurnRecord, build_view
+    from pipeline.specs.harness import HarnessSpec
 
     if row.harness_version is None:
         return {}

@@ -13,7 +13,7 @@ from pipeline.environment.tasks import (
     split_of,
     training_corpus,
 )
-from pipeline.environment.toolcalls import (
+from pipeline.environment.toolbox import (
     TOOLS,
     apply_call,
     execute_call,

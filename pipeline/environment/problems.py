@@ -4,7 +4,7 @@ Every demo item is the addition ``a+b`` in one family's format, and the split is
 (``tasks.split_of``), so a problem's identity is ``("add", min(a, b), max(a, b))``: ``15+42=?``, ``42+15``,
 ``15 + 42 =``, ``what is 15 plus 42?``, ``fifteen plus forty-two =?``, ``f adds 42 15``, ``timer 15+42``,
 ``add 15+42 egg``, ``counter 15+42``, ``the sum of 15 and 42``, ``add 15 to 42`` and ``1 5 + 4 2`` are the
-same problem. ``problem_keys(messages)`` is the demo task source's ``canonical`` (``pipeline.tasksource``): the
+same problem. ``problem_keys(messages)`` is the demo task source's ``canonical`` (``pipeline.specs.tasksource``): the
 keys of every such problem in any text of any message (content, content parts, tool-call arguments), after
 the held-out predicate's normalisation (Unicode NFKC, format characters removed, case folded), with the
 number words of 0..99 (``forty-two``, ``forty two``, ``fortytwo``) read as numbers and two single digits
@@ -24,7 +24,7 @@ import functools
 import re
 from typing import Any
 
-from pipeline.texts import KEPT_CHARS, KEPT_TEXTS, message_texts, normalise
+from pipeline.experience.texts import KEPT_CHARS, KEPT_TEXTS, message_texts, normalise
 
 Key = tuple[str, int, int]
 

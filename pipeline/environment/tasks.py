@@ -32,7 +32,7 @@ import json
 import random
 from typing import Any
 
-from pipeline.environment.toolcalls import TOOLS, format_compact_call
+from pipeline.environment.toolbox import TOOLS, format_compact_call
 
 FAMILIES: tuple[str, ...] = ("chat", "agent", "coding", "genui")
 LOW, HIGH = 10, 99
@@ -120,7 +120,7 @@ def reference_answer(item: dict[str, Any]) -> str:
 
 def completion_trace(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
     """The full trace of ``item`` answered with ``completion_text`` (the tiny model writes compact calls)."""
-    from pipeline.toolcalls import answered_trace
+    from pipeline.experience.toolcalls import answered_trace
 
     return answered_trace(item, completion_text, fmt="compact")
 
@@ -148,7 +148,7 @@ def heldout_suite(family: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
     chosen = rng.sample(pairs, min(n, len(pairs)))
     variants = [rng.randrange(12) for _ in chosen]
     # ``a+b`` and ``b+a`` are one problem, and a suite holding both would count it twice (``ratchet init``
-    # refuses repeated held-out items, ``pipeline.suites``): a repeat is replaced by a problem not drawn, from
+    # refuses repeated held-out items, ``pipeline.gates.suites``): a repeat is replaced by a problem not drawn, from
     # a stream of its own, so every other item stays what this seed has always drawn
     drawn = {(min(a, b), max(a, b)) for a, b in chosen}
     spare = random.Random(f"heldout-spare:{family}:{seed}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema
 
-from pipeline.environment.toolcalls import TOOL_SCHEMAS, apply_call, initial_state, parse_compact_call
+from pipeline.environment.toolbox import TOOL_SCHEMAS, apply_call, initial_state, parse_compact_call
 
 _SAFE_NODES = (
     ast.Module,

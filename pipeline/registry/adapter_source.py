@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.errors import RatchetError
 from pipeline.serving.adapters import CONFIG, WEIGHTS, tree_sha256
-from pipeline.spec import file_sha256
+from pipeline.specs.loading import file_sha256
 
 __all__ = ["AdapterSourceError", "check_adapter_source"]
 

@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.principals import OPERATOR
+from pipeline.experience.principals import OPERATOR
 from pipeline.registry.models import Experience, Quarantine, UTCDateTime, sqlite_timestamp, utcnow
 from pipeline.registry.versions import audit
 
@@ -62,7 +62,7 @@ class TraceRow:
     generation_id: int | None = None
     harness_version_id: int | None = None
     completion_id: str | None = None
-    principal: str | None = None  # who sent it (``pipeline.principals``)
+    principal: str | None = None  # who sent it (``pipeline.experience.principals``)
 
 
 def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any, ...]]:

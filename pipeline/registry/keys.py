@@ -7,7 +7,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.principals import Principal, check_key_name, key_digest, new_key, ordered
+from pipeline.experience.principals import Principal, check_key_name, key_digest, new_key, ordered
 from pipeline.registry.models import ApiKey, utcnow
 from pipeline.registry.versions import audit
 

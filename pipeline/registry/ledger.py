@@ -1,10 +1,10 @@
 """The spending ledger: how many tests have been made on each held-out and retention item.
 
-A suite is known by the content hash of its resolved items (``pipeline.heldout.suite_sha256``), and each row
+A suite is known by the content hash of its resolved items (``pipeline.specs.heldout.suite_sha256``), and each row
 of ``suite_attempts`` is one test a generation made on one suite: ``improvement`` (on every suite the
 comparison uses), ``noninferiority:<specialist>`` (that specialist's suite) and ``retention:<name>`` (that
 retention suite). What is counted, though, is the items: the first time a suite is spent on, its item keys
-are written (``suite_items``; ``pipeline.suites.item_key``: the hash of an item's prompts as the duplicate check compares
+are written (``suite_items``; ``pipeline.gates.suites.item_key``: the hash of an item's prompts as the duplicate check compares
 them, so ``metadata`` such as ``group``, whitespace, case and NFKC differences do not make another item).
 A test's attempt ``j`` is 1 + the largest number, over its suites' items, of other generations whose tests
 of the same budget used a suite holding that item. So a suite one item bigger, a suite added beside a kept
@@ -60,7 +60,7 @@ def spend(
     retention count together: ``NONINFERIORITY``) used a suite holding that item, plus the lineage's
     generations evaluated before the ledger (``legacy_tests``).
 
-    ``items``: suite sha256 -> its item keys (``pipeline.suites.item_keys``); needed for a suite the ledger has not seen (its
+    ``items``: suite sha256 -> its item keys (``pipeline.gates.suites.item_keys``); needed for a suite the ledger has not seen (its
     keys are written once, then read back). ``families``: suite sha256 -> its family, for the samples of a
     ``fresh`` suite (the hash of its declaration); a suite not named is a family of its own. Other samples of
     a suite's own fresh family do not count towards its ``j``: each row records the suite's sample number

@@ -272,7 +272,7 @@ class Experience(Base):
     routes: Mapped[list] = mapped_column(JSONText, default=list)
     specialist: Mapped[str | None] = mapped_column(String(100), index=True)
     source: Mapped[str] = mapped_column(String(32), index=True)
-    # who sent it (``pipeline.principals``): an API key's name, ``anonymous``, ``operator``, ``ratchet``;
+    # who sent it (``pipeline.experience.principals``): an API key's name, ``anonymous``, ``operator``, ``ratchet``;
     # NULL for served traces stored before principals were recorded
     principal: Mapped[str | None] = mapped_column(String(100))
     generation_id: Mapped[int | None] = mapped_column(ForeignKey("generations.id"), index=True)

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from pipeline.errors import ConflictError, NotFoundError
 from pipeline.registry.db import hold_lock
 from pipeline.registry.models import AuditLog, BaseModelRow, ContractVersion, HarnessVersion, StoredFile
-from pipeline.spec import content_hash
+from pipeline.specs.loading import content_hash
 
 
 def audit(

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.harness import HarnessSpec
 from pipeline.scoring.trace import (
     FINAL,
     TOTAL,
@@ -29,11 +28,12 @@ from pipeline.scoring.trace import (
     score_trace,
     total_details,
 )
+from pipeline.specs.harness import HarnessSpec
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from pipeline.candidate import AdvanceConfig, Progress
+    from pipeline.loop.candidate import AdvanceConfig, Progress
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ class _Batches:
         workers: int,
         timeout_s: float = 0.0,
     ):
-        from pipeline.contract import stored_contract
         from pipeline.errors import NotFoundError
         from pipeline.registry.models import ContractVersion
+        from pipeline.specs.contract import stored_contract
 
         row = session.get(ContractVersion, contract_version_id)
         if row is None:
@@ -130,7 +130,7 @@ class _Batches:
     def score(self, rows: list[Any], result: ScoreRunResult, reason: str) -> None:
         """Score ``rows`` (experience columns ``_COLUMNS``), replace their scores under this version (the
         old ones go to ``score_history`` with ``reason``) and commit."""
-        from pipeline.clock import CLOCK
+        from pipeline.loop.clock import CLOCK
         from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
 
         jobs = []
@@ -315,7 +315,7 @@ def score_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Score all experience not yet scored under the candidate's contract version."""
-    from pipeline.candidate import load_generation, mark_step
+    from pipeline.loop.candidate import load_generation, mark_step
     from pipeline.registry import get_engine, session_scope
 
     engine = get_engine()

@@ -9,7 +9,7 @@ least one scorer that verifies outcomes (``ScorerBase.verifies_outcome``) applie
 was checked and none of those checks failed (``TraceScoreResult.final_passed``). A user's correction is scored
 as the trace with the corrected final turn (the user's rating, which judged the original answer, left out).
 
-A trace's ``principal`` (``pipeline.principals``) is who certified its metadata; a trace dict without the
+A trace's ``principal`` (``pipeline.experience.principals``) is who certified its metadata; a trace dict without the
 key is the loop's own (evaluation items, discovery, rewards), one from the registry always has it.
 """
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any
 
-from pipeline.contract import ContractSpec
-from pipeline.harness import HarnessSpec
-from pipeline.principals import LOOP
-from pipeline.scorers import TurnContext, called_tool, run_scorer
+from pipeline.experience.principals import LOOP
+from pipeline.scoring.scorers import TurnContext, called_tool, run_scorer
+from pipeline.specs.contract import ContractSpec
+from pipeline.specs.harness import HarnessSpec
 
 log = logging.getLogger(__name__)
 TOTAL = "total"

@@ -26,10 +26,10 @@ _EXPORTS = {
     "route_turn": "pipeline.serving.router",
     "signal_scores": "pipeline.serving.router",
     "turn_from_messages": "pipeline.serving.router",
-    "parse_tool_calls": "pipeline.toolcalls",
-    "register_format": "pipeline.toolcalls",
-    "render_tool_calls": "pipeline.toolcalls",
-    "to_openai": "pipeline.toolcalls",
+    "parse_tool_calls": "pipeline.experience.toolcalls",
+    "register_format": "pipeline.experience.toolcalls",
+    "render_tool_calls": "pipeline.experience.toolcalls",
+    "to_openai": "pipeline.experience.toolcalls",
 }
 __all__ = sorted(_EXPORTS)
 

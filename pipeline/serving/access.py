@@ -1,7 +1,7 @@
 """Who a request to ``ratchet serve`` comes from, and whether they may do what they ask.
 
 ``Access.principal(request)`` reads the bearer key: ``RATCHET_API_KEY`` is the operator (every scope); a key
-created with ``ratchet keys create`` is its name with the scopes it was granted (``pipeline.principals``);
+created with ``ratchet keys create`` is its name with the scopes it was granted (``pipeline.experience.principals``);
 anything else is ``anonymous`` with the ``chat`` scope only -- allowed while no key exists (the CLI refuses
 to serve off loopback then), or always with ``--allow-anonymous``; otherwise refused (401). A key that is not
 one of the server's is anonymous too where anonymous requests are served (SDKs insist on sending some key,
@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pipeline.principals import ANONYMOUS_PRINCIPAL, OPERATOR_PRINCIPAL, Principal, key_digest
+from pipeline.experience.principals import ANONYMOUS_PRINCIPAL, OPERATOR_PRINCIPAL, Principal, key_digest
 from pipeline.serving.protocol import ApiError
 
 log = logging.getLogger(__name__)

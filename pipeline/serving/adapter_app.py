@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from pipeline.errors import RatchetError
-from pipeline.principals import ANONYMOUS
+from pipeline.experience.principals import ANONYMOUS
 from pipeline.serving.access import Access
 from pipeline.serving.adapters import CONFIG, WEIGHTS, AdapterSource
 from pipeline.serving.engines import EmbeddedEngine, EngineRequest, EngineResult
@@ -54,7 +54,7 @@ from pipeline.serving.protocol import (
 from pipeline.serving.runtime import Abort
 from pipeline.serving.server import install_error_handlers
 from pipeline.settings import get_settings
-from pipeline.spec import file_sha256
+from pipeline.specs.loading import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline.errors import RatchetError
 from pipeline.serving.adapter_weights import check_weights_header
-from pipeline.spec import file_sha256
+from pipeline.specs.loading import file_sha256
 
 log = logging.getLogger(__name__)
 

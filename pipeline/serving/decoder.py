@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.detokenization import TextStream
+from pipeline.modeling.detokenization import TextStream
 
 
 class Decodable(Protocol):

@@ -141,7 +141,7 @@ class ExternalEngine:
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         if self.tokenizer is not None:
-            from pipeline.templating import encode_prompt
+            from pipeline.modeling.templating import encode_prompt
 
             return len(encode_prompt(self.tokenizer, messages, fmt="openai", tools=tools))
         chars = sum(len(str(m.get("content") or "")) + 8 for m in messages) + len(str(tools or ""))
@@ -202,7 +202,7 @@ class ExternalEngine:
     def _stopped(self, request: EngineRequest, text: str) -> EngineResult:
         reason = (request.abort.reason if request.abort is not None else None) or "cancelled"
         if self.tokenizer is not None:
-            from pipeline.templating import encode_text
+            from pipeline.modeling.templating import encode_text
 
             tokens = encode_text(self.tokenizer, text)  # the model's text, counted as text
         else:

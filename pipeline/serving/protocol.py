@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.toolcalls import tools_problem
+from pipeline.experience.toolcalls import tools_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

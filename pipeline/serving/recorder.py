@@ -39,10 +39,10 @@ from typing import Any
 from sqlalchemy.exc import DataError, IntegrityError
 
 from pipeline.errors import NotFoundError
+from pipeline.experience.toolcalls import normalize_tool_calls
 from pipeline.registry import TraceRow, attach_feedback, insert_traces, session_scope
 from pipeline.registry.experience import set_served_summary
 from pipeline.serving.spool import Entry, Spool, encode
-from pipeline.toolcalls import normalize_tool_calls
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.harness import HarnessSpec, RoutingPolicy
-from pipeline.texts import message_text
+from pipeline.experience.texts import message_text
+from pipeline.specs.harness import HarnessSpec, RoutingPolicy
 
 __all__ = [
     "RouteDecision",

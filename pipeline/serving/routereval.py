@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pipeline.harness import HarnessSpec
 from pipeline.serving.router import RouteTurn, TokenClassifier, evaluate_router, turn_from_messages
+from pipeline.specs.harness import HarnessSpec
 
 if TYPE_CHECKING:
-    from pipeline.contract import ContractSpec
+    from pipeline.specs.contract import ContractSpec
 
 
 def routing_items(

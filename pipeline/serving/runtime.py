@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.decoding import end_token_ids
 from pipeline.errors import RatchetError
+from pipeline.modeling.decoding import end_token_ids
 from pipeline.serving.adapters import (
     CONFIG,
     PICKLES,
@@ -35,7 +35,7 @@ from pipeline.serving.adapters import (
 from pipeline.serving.decoder import Abort, GenerationRequest, GenerationResult, decode_batch  # noqa: F401 - Abort re-exported
 
 if TYPE_CHECKING:
-    from pipeline.placement import Placement
+    from pipeline.modeling.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def load_runtime(
     ``specialists`` lists every specialist served; one without an adapter is served by the base model.
     ``mix``: ``segments`` (``pipeline.serving.mixlora``: batched per-row LoRA, the default where supported)
     or ``peft`` (peft's per-sample ``adapter_names``) for mixed-adapter batches. ``where``: device and dtype
-    (``pipeline.placement``; default: ``device`` with the dtype ``auto``); ``tool_call_format``: how prompts show tool calls.
+    (``pipeline.modeling.placement``; default: ``device`` with the dtype ``auto``); ``tool_call_format``: how prompts show tool calls.
     ``max_rank``: adapters of a higher rank are refused; ``max_loaded``: how many stay attached (None: all).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,7 +76,7 @@ def load_runtime(
         raise RatchetError(
             f"base model directory {base_path} has no safetensors weights (pickles are refused)"
         )
-    from pipeline.placement import placement
+    from pipeline.modeling.placement import placement
 
     where = where or placement(device=device)
     device = where.device
@@ -211,7 +211,7 @@ class MixtureRuntime:
         context (tool calls in the harness's format, the offered tools' schemas given to the template; what
         the client sent is inert text, only the template's scaffolding is special tokens). A template that
         refuses the conversation raises ``jinja2.TemplateError``."""
-        from pipeline.templating import encode_prompt
+        from pipeline.modeling.templating import encode_prompt
 
         return encode_prompt(self.tokenizer, messages, fmt=self.tool_call_format, tools=tools)
 
@@ -270,7 +270,7 @@ class MixtureRuntime:
         """Constrained label decoding: P(label | conversation) under ``adapter``, over ``labels`` only."""
         import torch
 
-        from pipeline.templating import encode_text
+        from pipeline.modeling.templating import encode_text
 
         prompt = self.encode(messages)
         rows = [prompt + encode_text(self.tokenizer, lab) for lab in labels]

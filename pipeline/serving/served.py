@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pipeline.errors import NotFoundError, RatchetError
 
 if TYPE_CHECKING:  # imported where used: the CLI reads ServeConfig without loading the harness or torch
-    from pipeline.harness import HarnessSpec
     from pipeline.serving.adapters import AdapterSource
     from pipeline.serving.engines import Engine
     from pipeline.serving.router import TokenClassifier
     from pipeline.serving.scheduler import MicroBatchScheduler
+    from pipeline.specs.harness import HarnessSpec
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +169,10 @@ def champion_id(db: Any, lineage: str) -> int | None:
 
 def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatchScheduler) -> Served:
     """Load ``plan`` behind the configured engine (blocking: call it in a thread from async code)."""
-    from pipeline.harness import HarnessSpec
     from pipeline.serving.engines import EmbeddedEngine, ExternalEngine
     from pipeline.serving.router import TokenClassifier
     from pipeline.serving.runtime import load_runtime
+    from pipeline.specs.harness import HarnessSpec
 
     try:
         harness = HarnessSpec.model_validate(plan.harness_spec)
@@ -188,8 +188,8 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             import torch
 
             torch.set_num_threads(config.threads)
-        from pipeline.modelspec import ModelSpec
-        from pipeline.placement import placement, tokenizer_dir
+        from pipeline.modeling.placement import placement, tokenizer_dir
+        from pipeline.specs.modelspec import ModelSpec
 
         spec = ModelSpec.model_validate(plan.model_spec) if plan.model_spec else None
         runtime = load_runtime(
@@ -209,7 +209,7 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             raise RatchetError(
                 "--engine external needs --engine-url (the OpenAI-compatible multi-LoRA server)"
             )
-        from pipeline.placement import tokenizer_dir
+        from pipeline.modeling.placement import tokenizer_dir
 
         tokenizer, limit = None, None
         tok_dir = tokenizer_dir(str((plan.model_spec or {}).get("tokenizer", "same_as_base")), plan.base_path)

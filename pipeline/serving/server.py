@@ -42,7 +42,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.principals import SCOPES, Principal, parse_scopes
+from pipeline.experience.principals import SCOPES, Principal, parse_scopes
 from pipeline.serving.access import Access
 from pipeline.serving.limits import Admission, KeyLimit, read_body, watch_disconnect
 from pipeline.serving.protocol import (

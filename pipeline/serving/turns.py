@@ -25,8 +25,8 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
-from pipeline.harness import DecodingParams
-from pipeline.principals import ANONYMOUS_PRINCIPAL, Principal
+from pipeline.experience.principals import ANONYMOUS_PRINCIPAL, Principal
+from pipeline.experience.toolcalls import assistant_message
 from pipeline.registry import TraceRow
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
 from pipeline.serving.limits import Admission, Slot
@@ -51,7 +51,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
-from pipeline.toolcalls import assistant_message
+from pipeline.specs.harness import DecodingParams
 
 log = logging.getLogger(__name__)
 # finish reasons of a turn stopped before its end, and what the recorded experience says about them

@@ -1,6 +1,6 @@
 """Per-specialist views of a conversation, and the server-side memory of who served which turn.
 
-The view itself is ``pipeline.prompting.view_parts`` -- the same function curation builds training
+The view itself is ``pipeline.modeling.prompting.view_parts`` -- the same function curation builds training
 examples with, from a served trace's recorded routes and summaries -- so a served prompt looks like the
 prompts the specialist was trained and evaluated on; on top of that, a real token counter checks the model's
 window.
@@ -26,10 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.errors import RatchetError
-from pipeline.harness import HarnessSpec
-from pipeline.prompting import TurnRecord, Writer, prompt_chars, view_parts
-from pipeline.texts import message_text
-from pipeline.toolcalls import from_openai, render_tool_calls
+from pipeline.experience.texts import message_text
+from pipeline.experience.toolcalls import from_openai, render_tool_calls
+from pipeline.modeling.prompting import TurnRecord, Writer, prompt_chars, view_parts
+from pipeline.specs.harness import HarnessSpec
 
 SUMMARY_INSTRUCTION = "Summarize your last reply in one short sentence."
 SUMMARY_CHARS = 160

@@ -87,7 +87,7 @@ def save_adapter(
     returns the directory and the sha256. A store that refuses the write is an ``ArtifactStoreError``."""
     import json
 
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     adapter_dir = Path(output_dir) / "adapter"
     with atomic_directory(adapter_dir, what="adapter") as tmp:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RatchetError
-from pipeline.spec import content_hash, file_sha256
+from pipeline.specs.loading import content_hash, file_sha256
 from pipeline.training.artifacts import atomic_directory
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 ``save_to_disk`` (rows with OpenAI-style ``messages``; loss on assistant tokens only). A successor
 continues its parent's adapter weights. A row the chat template refuses, or that does not fit
 ``max_seq_len`` even with its oldest turns cut, is left out and counted by reason (``encode_rows``,
-``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. Batches are packed (``pipeline.packing``): several examples
+``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. Batches are packed (``pipeline.modeling.packing``): several examples
 share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
 other, so no compute goes to padding. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
 ``W x + scale * B (A x)`` with the same gradients, in fewer and larger matmuls),
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
-from pipeline.spec import content_hash, weights_sha256
+from pipeline.specs.loading import content_hash, weights_sha256
 
 if TYPE_CHECKING:
-    from pipeline.placement import Placement
+    from pipeline.modeling.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
     would give the column no type."""
     from datasets import Dataset
 
-    from pipeline.toolcalls import normalize_tool_calls
+    from pipeline.experience.toolcalls import normalize_tool_calls
 
     rows = [{"messages": normalize_tool_calls(t["messages"])} for t in traces]
     if not rows:
@@ -165,7 +165,7 @@ ROW_ERRORS = (ValueError, TypeError, TemplateError)
 
 def skip_reason(exc: BaseException) -> str:
     """The reason a row that raised one of ``ROW_ERRORS`` is counted under."""
-    from pipeline.templating import TEMPLATE_ERROR, RowSkipped
+    from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped
 
     if isinstance(exc, RowSkipped):
         return exc.reason
@@ -179,7 +179,7 @@ def encode_rows(
     oldest context cut to fit ``max_len``, never the target's end), and the rows left out by reason -- the
     chat template refuses the row, it does not fit, the template rewrites the trained turn, nothing to train
     on. A job never stops on one row."""
-    from pipeline.templating import encode_chat
+    from pipeline.modeling.templating import encode_chat
 
     examples, dropped = [], {}
     for r in rows:
@@ -258,7 +258,7 @@ def train_lora(
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter; return where it was saved and how training went.
 
-    ``where``: device and dtype (``pipeline.placement``; default ``auto``); ``tokenizer_dir``: default the base's.
+    ``where``: device and dtype (``pipeline.modeling.placement``; default ``auto``); ``tokenizer_dir``: default the base's.
 
     ``stop_after_steps`` interrupts the job after that many steps *in this call* (after checkpointing),
     returning ``completed=False``: the hook tests and schedulers use to simulate a killed job.
@@ -269,8 +269,8 @@ def train_lora(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.packing import packed_tensors
-    from pipeline.placement import placement
+    from pipeline.modeling.packing import packed_tensors
+    from pipeline.modeling.placement import placement
     from pipeline.training.artifacts import save_adapter
     from pipeline.training.checkpoint import resume, save_checkpoint
     from pipeline.training.kernels import assistant_loss, merged_lora

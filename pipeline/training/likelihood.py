@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-    from pipeline.placement import Placement
+    from pipeline.modeling.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def policy_model(
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.decoding import attn_implementation_for
+    from pipeline.modeling.decoding import attn_implementation_for
 
     if (
         parent_adapter_dir is not None
@@ -87,7 +87,7 @@ def reference_model(
 ) -> PreTrainedModel:
     """The frozen model a job is held to (the parent pair: its adapter merged into a copy of the base; the
     bare base without a parent). Memory: one more copy of the base's weights."""
-    from pipeline.decoding import load_model
+    from pipeline.modeling.decoding import load_model
 
     model, _ = load_model(base_model_dir, parent_adapter_dir, where=where, tokenizer_dir=tokenizer_dir)
     for p in model.parameters():
@@ -112,7 +112,7 @@ def encode_episode(
     unlabelled. Tool results and user turns are never labelled; what the model wrote is inert text, so a
     label is never a role token it did not write. ``templating.RowSkipped`` as ``encode_chat`` (the template
     refuses the episode, it does not fit, it rewrites the final turn): the caller leaves it out, counted."""
-    from pipeline.templating import IGNORE, RowSkipped, encode_chat
+    from pipeline.modeling.templating import IGNORE, RowSkipped, encode_chat
 
     ids, labels = encode_chat(tokenizer, messages, max_len, fmt=fmt, tools=tools)
     labels = list(labels)
@@ -142,7 +142,7 @@ def sequence_logprobs(
     packed forward of ``model`` (with gradients when they are enabled)."""
     import torch
 
-    from pipeline.packing import packed_tensors
+    from pipeline.modeling.packing import packed_tensors
     from pipeline.training.kernels import label_logprobs
 
     tensors = {k: v.to(device) for k, v in packed_tensors(examples, row_len, pad_id, owners=True).items()}

@@ -22,16 +22,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.candidate import AdvanceConfig, Progress, artifacts_for, load_generation, mark_step, step_seed
 from pipeline.errors import RatchetError
+from pipeline.loop.candidate import (
+    AdvanceConfig,
+    Progress,
+    artifacts_for,
+    load_generation,
+    mark_step,
+    step_seed,
+)
 
 if TYPE_CHECKING:
-    from pipeline.contract import ContractSpec
-    from pipeline.harness import HarnessSpec
-    from pipeline.modelspec import ModelSpec
-    from pipeline.tracking import Tracker
+    from pipeline.registry.tracking import Tracker
+    from pipeline.specs.contract import ContractSpec
+    from pipeline.specs.harness import HarnessSpec
+    from pipeline.specs.modelspec import ModelSpec
+    from pipeline.training.grpo import Episodes
     from pipeline.training.job import TrainResult
-    from pipeline.training.reinforcement import Episodes
 
 RunJob = Callable[..., "TrainResult"]
 """``run_job(name, fn, **kwargs)``: how a job is run (a Prefect task per method in ``flows``); default
@@ -50,14 +57,14 @@ def grpo_episodes(
     """What a GRPO job practises on: ``prompts`` training items of the specialist's task source (the held-out
     predicate applied) after the variants discovery found, seen through the harness, rewarded by the
     contract (``scoring.episode_reward``), with the source's action substrate when it has one."""
-    from pipeline.contract import file_reader
-    from pipeline.discovery import discovered_items
-    from pipeline.heldout import heldout_index
-    from pipeline.pair import offered_tools
-    from pipeline.prompting import decoding_for, render_messages
+    from pipeline.loop.discovery import discovered_items
+    from pipeline.modeling.pair import offered_tools
+    from pipeline.modeling.prompting import decoding_for, render_messages
     from pipeline.scoring import episode_reward
-    from pipeline.tasksource import draw, task_sources
-    from pipeline.training.reinforcement import Episodes
+    from pipeline.specs.contract import file_reader
+    from pipeline.specs.heldout import heldout_index
+    from pipeline.specs.tasksource import draw, task_sources
+    from pipeline.training.grpo import Episodes
 
     sources = task_sources(contract, read=file_reader(contract))
     if specialist not in sources:
@@ -93,11 +100,9 @@ def train_step(
     registry."""
     import json as _json
 
-    from pipeline.candidate import contract_of
-    from pipeline.clock import CLOCK
-    from pipeline.harness import HarnessSpec
-    from pipeline.modelspec import ModelSpec
-    from pipeline.placement import spec_placement, tokenizer_dir
+    from pipeline.loop.candidate import contract_of
+    from pipeline.loop.clock import CLOCK
+    from pipeline.modeling.placement import spec_placement, tokenizer_dir
     from pipeline.registry import (
         TrainingDataset,
         create_adapter,
@@ -106,7 +111,9 @@ def train_step(
         set_generation_adapter,
         set_generation_status,
     )
-    from pipeline.tracking import registered_model_name
+    from pipeline.registry.tracking import registered_model_name
+    from pipeline.specs.harness import HarnessSpec
+    from pipeline.specs.modelspec import ModelSpec
     from pipeline.training.artifacts import ArtifactStoreError
     from pipeline.training.checkpoint import discard
 
@@ -287,12 +294,12 @@ def job_for(
         "max_seq_len": settings.training.max_seq_len,
     }
     if method == "dpo":
-        from pipeline.training.preference import train_dpo
+        from pipeline.training.dpo import train_dpo
 
         assert dataset is not None
         return train_dpo, {**common, "dataset_dir": Path(dataset[0]), "settings": settings.dpo}
     if method == "grpo":
-        from pipeline.training.reinforcement import train_grpo
+        from pipeline.training.grpo import train_grpo
 
         return train_grpo, {**common, "settings": settings.grpo}
     raise RatchetError(f"specialist {specialist!r}: unknown training method {method!r}")

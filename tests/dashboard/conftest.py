@@ -79,11 +79,11 @@ def _served(url: str) -> list[str]:
 def dashboard_home(tmp_path_factory, small_base) -> Path:
     from conftest import METHODS, ingest_corrections, write_specs
 
-    from pipeline.advance import advance_once
-    from pipeline.candidate import AdvanceConfig
     from pipeline.cli.advance import make_tracker
-    from pipeline.experience import ingest_file
-    from pipeline.lineage import init_lineage
+    from pipeline.experience.ingest import ingest_file
+    from pipeline.loop.advance import advance_once
+    from pipeline.loop.candidate import AdvanceConfig
+    from pipeline.loop.founding import init_lineage
     from pipeline.registry import dispose_engines, get_champion, get_engine, session_scope
     from pipeline.scoring import score_experience
     from pipeline.settings import get_settings

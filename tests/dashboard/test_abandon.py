@@ -8,9 +8,9 @@ import re
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from pipeline.advance import begin_candidate, release_candidate
-from pipeline.candidate import AdvanceConfig
 from pipeline.dashboard import create_app
+from pipeline.loop.advance import begin_candidate, release_candidate
+from pipeline.loop.candidate import AdvanceConfig
 from pipeline.registry import AuditLog, get_engine, list_generations, session_scope
 from pipeline.settings import Settings
 

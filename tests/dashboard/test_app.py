@@ -581,7 +581,7 @@ def test_cli_dashboard_serves_the_registry(dashboard_home):
 
 
 def test_hostile_shapes_render_as_text_and_long_traces_are_paged(acting_home, tmp_path):
-    from pipeline.experience import ingest_file
+    from pipeline.experience.ingest import ingest_file
     from pipeline.registry import dispose_engines
 
     settings = Settings(home=acting_home)

@@ -11,7 +11,7 @@ def stored_adapter(path: Path, *, rank: int = 4) -> dict[str, str]:
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     path.mkdir(parents=True, exist_ok=True)
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"

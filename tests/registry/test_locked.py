@@ -33,8 +33,8 @@ def test_a_write_held_up_past_the_busy_timeout_is_one_line_naming_the_other_writ
     """`ratchet ingest` while another process holds the write lock (here: a connection in BEGIN IMMEDIATE)
     and an advance run holds its lease: one line that names the run and its generation and says to try again,
     exit 1, no traceback (it was a 64-line "database is locked" traceback)."""
-    from pipeline.advance import begin_candidate
     from pipeline.cli import main
+    from pipeline.loop.advance import begin_candidate
 
     gid = begin_candidate(config=ADVANCE, owner="buildhost:4242:0:cafe0001")
     traces = tmp_path / "more.jsonl"
@@ -76,8 +76,8 @@ def test_curation_writes_its_dataset_files_without_holding_the_write_lock(lineag
     """While curation saves each dataset (``save_to_disk``), another writer can take SQLite's write lock at
     once; the datasets' rows and provenance are committed together afterwards. (Curation used to hold the
     lock across every dataset write: ingest and serving waited, past 30 s "database is locked".)"""
-    import pipeline.curation as curation
-    from pipeline.advance import begin_candidate, step_functions
+    import pipeline.loop.curation as curation
+    from pipeline.loop.advance import begin_candidate, step_functions
     from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
 
     gid = begin_candidate(config=ADVANCE, owner="test")

@@ -13,7 +13,6 @@ import pytest
 from registry.adapter_files import stored_adapter
 from sqlalchemy import func, select
 
-from pipeline.contract import load_contract
 from pipeline.errors import ConflictError
 from pipeline.registry import (
     Adapter,
@@ -33,6 +32,7 @@ from pipeline.registry import (
     session_scope,
 )
 from pipeline.settings import get_settings
+from pipeline.specs.contract import load_contract
 
 RATCHET = str(Path(sys.executable).parent / "ratchet")
 
@@ -203,7 +203,7 @@ def test_racing_cli_promotions_leave_one_champion_and_the_loser_one_line(registr
     engine = make_engine(registry_url)
     _seed(engine)
     env = {**os.environ, "RATCHET_DATABASE_URL": registry_url, "RATCHET_HOME": str(tmp_path / "home")}
-    from pipeline.tracking import MLflowTracker
+    from pipeline.registry.tracking import MLflowTracker
 
     MLflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")  # the store, made once
     procs = [_cli("promote", "2", env=env) for _ in range(3)]
@@ -223,7 +223,7 @@ def test_mlflow_aliases_agree_with_the_registry_after_a_failure_between_the_two(
     """The registry commits first; MLflow down at that moment leaves the aliases behind, said in one line,
     and the next sync (here `ratchet sync-aliases`) brings them level."""
     from pipeline.registry import get_engine, set_generation_adapter
-    from pipeline.tracking import MLflowTracker, registered_model_name
+    from pipeline.registry.tracking import MLflowTracker, registered_model_name
 
     home = tmp_path / "home"
     store = f"sqlite:///{home / 'mlflow.db'}"

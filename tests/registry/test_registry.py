@@ -182,7 +182,7 @@ def test_scores_bulk_insert_round_trips(engine):
     """insert_scores (the driver's executemany on SQLite, Core on PostgreSQL) stores what the ORM reads."""
     from datetime import UTC, datetime, timedelta, timezone
 
-    from pipeline.experience import trace_row, validate_trace
+    from pipeline.experience.ingest import trace_row, validate_trace
     from pipeline.registry import Experience, Score, ScoreRow, insert_scores, insert_traces
 
     trace = {"messages": [{"role": "user", "content": "é 2+2"}, {"role": "assistant", "content": "4"}]}

@@ -53,7 +53,7 @@ def build_base(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.tinymodel import build_tokenizer
+    from pipeline.environment.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(seed)
@@ -88,7 +88,7 @@ def build_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.packing import encode_chat
+    from pipeline.modeling.packing import encode_chat
 
     model = AutoModelForCausalLM.from_pretrained(base)
     torch.manual_seed(seed)
@@ -140,7 +140,7 @@ def register_generation(
         register_harness,
         session_scope,
     )
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     harness = dict(harness or HARNESS)
     if harness_version:
@@ -231,7 +231,7 @@ def experience_rows(url: str) -> list:
 
 def api_keys(url: str, **scopes: str) -> dict[str, dict[str, str]]:
     """Create one key per name with its comma-separated scopes; name -> its Authorization header."""
-    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.experience.principals import OPERATOR, parse_scopes
     from pipeline.registry import create_api_key, get_engine, session_scope
 
     out = {}

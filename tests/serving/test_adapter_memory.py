@@ -16,7 +16,7 @@ import pytest
 from pipeline.errors import RatchetError
 from pipeline.serving.runtime import AdapterSource, GenerationRequest, load_runtime
 from pipeline.serving.scheduler import MicroBatchScheduler
-from pipeline.spec import file_sha256
+from pipeline.specs.loading import file_sha256
 from serving.support import RANK, TARGETS, build_adapter
 
 log = logging.getLogger(__name__)

@@ -187,7 +187,7 @@ def test_a_client_that_leaves_is_never_decoded_but_recorded(registry, stream):
 
 def test_an_aborted_row_leaves_the_batch_and_the_others_are_unchanged(tiny_artifacts):
     from pipeline.serving.runtime import Abort, AdapterSource, GenerationRequest, load_runtime
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
     from serving.support import RANK, SPECIALISTS, TARGETS
 
     srcs = [

@@ -128,7 +128,7 @@ def test_a_promotion_is_loaded_into_the_external_engine_first(
 
 
 def test_the_engine_loads_and_unloads_adapters_as_vllm_does(registry, tiny_artifacts, tmp_path):
-    from pipeline.spec import file_sha256
+    from pipeline.specs.loading import file_sha256
 
     app, served = engine_app(registry, adapter_roots=[tiny_artifacts["root"], tmp_path])
     chat_dir = tiny_artifacts["adapters"]["chat"]

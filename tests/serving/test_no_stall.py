@@ -64,8 +64,8 @@ def timed(fn):
 
 def schema_contract(url: str) -> int:
     """The demo contract with chat scored by `json_schema` against the trace's `metadata.schema`."""
-    from pipeline.contract import load_contract
     from pipeline.registry import get_engine, register_contract, session_scope
+    from pipeline.specs.contract import load_contract
 
     spec = load_contract(Path(__file__).resolve().parents[2] / "contracts" / "demo.yaml").model_dump(
         mode="json"

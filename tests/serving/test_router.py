@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from pipeline.harness import HarnessSpec
 from pipeline.serving.router import (
     RouteTurn,
     TokenClassifier,
@@ -16,6 +15,7 @@ from pipeline.serving.router import (
     signal_scores,
     turn_from_messages,
 )
+from pipeline.specs.harness import HarnessSpec
 from serving.support import HARNESS
 
 

@@ -12,7 +12,7 @@ import pytest
 from pipeline.errors import RatchetError
 from pipeline.serving.runtime import BASE, AdapterSource, GenerationRequest, load_runtime, tree_sha256
 from pipeline.serving.scheduler import MicroBatchScheduler
-from pipeline.spec import file_sha256
+from pipeline.specs.loading import file_sha256
 from serving.support import RANK, SPECIALISTS, TARGETS, TOOL_ANSWER, TOOL_VIEW
 
 

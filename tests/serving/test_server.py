@@ -226,8 +226,7 @@ def test_request_metadata_is_kept_and_late_feedback_rescores_the_turn(client, sh
 
     from sqlalchemy import select
 
-    from pipeline.contract import load_contract
-    from pipeline.principals import OPERATOR, parse_scopes
+    from pipeline.experience.principals import OPERATOR, parse_scopes
     from pipeline.registry import (
         Score,
         ScoreHistory,
@@ -237,6 +236,7 @@ def test_request_metadata_is_kept_and_late_feedback_rescores_the_turn(client, sh
         session_scope,
     )
     from pipeline.scoring import score_experience
+    from pipeline.specs.contract import load_contract
 
     with session_scope(get_engine(shared_registry)) as s:
         _, value = create_api_key(

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.harness import HarnessSpec
+from pipeline.experience.toolcalls import from_openai, parse_tool_calls, render_tool_calls, to_openai
 from pipeline.serving.views import (
     ContextOverflowError,
     TurnMemory,
@@ -15,7 +15,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
-from pipeline.toolcalls import from_openai, parse_tool_calls, render_tool_calls, to_openai
+from pipeline.specs.harness import HarnessSpec
 from serving.support import HARNESS
 
 
@@ -200,9 +200,9 @@ def test_no_system_prompt_exemplars_and_character_budget(memory):
 
 def test_demo_harness_on_the_contracts_routing_suite():
     """The routing suite is written unlike the signal patterns: accuracy is measured, not true by design."""
-    from pipeline.contract import load_contract
-    from pipeline.harness import load_harness
     from pipeline.serving.routereval import measure_router, suite_items
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
 
     harness = load_harness("harnesses/demo.yaml")
     items = suite_items(load_contract("contracts/demo.yaml"))
@@ -213,10 +213,10 @@ def test_demo_harness_on_the_contracts_routing_suite():
 
 
 def test_learned_router_trained_from_traces_and_measured():
-    from pipeline.contract import load_contract
     from pipeline.environment import FAMILIES, sample_prompts
-    from pipeline.harness import load_harness
     from pipeline.serving.routereval import fit_router_classifier, measure_router, routing_items, suite_items
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
 
     traces = [
         {**item, "metadata": {"specialist": fam}}
@@ -235,7 +235,7 @@ def test_training_rebuilds_the_view_the_server_showed_from_the_recorded_trace(me
     """Found on main: curation rendered what a specialist saw with other specialists' turns in full, where the
     server had shown it their summaries. Curation now rebuilds the view with the same function from the served
     trace's recorded routes and summaries (``recorded_writer``), and gets what the server built."""
-    from pipeline.prompting import render_messages
+    from pipeline.modeling.prompting import render_messages
     from pipeline.serving.views import recorded_writer
 
     served = build_view(
@@ -261,7 +261,7 @@ def test_training_rebuilds_the_view_the_server_showed_from_the_recorded_trace(me
 def test_a_client_system_message_in_content_parts_is_read_as_text():
     """Found on main: a client system message sent as content parts reached training as
     "[{'type': 'text', ...}]". Every view reads content parts with the one text reader."""
-    from pipeline.prompting import render_messages
+    from pipeline.modeling.prompting import render_messages
 
     convo = [
         {

@@ -1,0 +1,86 @@
+"""Chat examples as token ids with assistant-only labels, and packed batches without cross-attention.
+
+``encode_chat`` (``pipeline.modeling.templating``, re-exported here with the other encoders) renders messages with the
+tokenizer's own chat template, content inert (a role marker a client or the model wrote is text, never a
+special token), and marks only the final assistant turn as labels: the example's training target is the
+serving specialist's own last reply; earlier turns -- few-shot exemplars, other specialists' replies, the
+conversation so far -- are context, and the oldest of them go when the example is longer than allowed (its
+end never does). ``pack_examples`` packs a batch of examples into as few rows as fit the longest example
+(first-fit decreasing); ``packed_tensors`` gives ``input_ids``/``labels``/``position_ids`` with the
+positions restarting at 0 for each example and NO attention mask: transformers (>= 4.56 / 5.x) then
+derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
+so packed examples never attend to each other, with sdpa or eager attention, on CPU too. The first token of
+every example is a prompt token (label -100), so no loss crosses an example boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.modeling.templating import IGNORE, encode_chat, encode_prompt, model_messages, render_prompt
+
+__all__ = ["IGNORE", "encode_chat", "encode_prompt", "model_messages", "pack_examples", "packed_tensors",
+           "render_prompt"]  # fmt: skip
+
+
+def pack_examples(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Group example indices into rows of at most ``row_len`` tokens (first-fit decreasing)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        need = min(lengths[i], row_len)
+        for r, free in enumerate(room):
+            if free >= need:
+                rows[r].append(i)
+                room[r] -= need
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - need)
+    return rows
+
+
+def packed_tensors(
+    examples: list[tuple[list[int], list[int]]], row_len: int, pad_id: int, *, owners: bool = False
+) -> dict[str, Any]:
+    """Pack examples into a ``[rows, L]`` batch (L = longest packed row) with per-example positions.
+
+    Rows are at most as long as the batch's longest example (capped at ``row_len``): a packed row then
+    never costs more attention than a padded one, and the saving is exactly the padding. ``owners``: also
+    ``example_index``, the index of the example each position belongs to (-1 on padding), for losses that
+    sum per example (preference and RL training).
+    """
+    import torch
+
+    row_len = min(row_len, max(len(ids) for ids, _ in examples))
+    rows = pack_examples([len(ids) for ids, _ in examples], row_len)
+    width = max(sum(min(len(examples[i][0]), row_len) for i in row) for row in rows)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    owner: list[int] = []
+    for row in rows:  # plain lists, one tensor per field: building tensors per example costs more
+        used = 0
+        for i in row:
+            ids, labs = examples[i]
+            n = min(len(ids), row_len)
+            input_ids += ids[:n]
+            labels += labs[:n]
+            positions += range(n)
+            owner += [i] * n
+            used += n
+        # Trailing pad continues the positions of a last dummy segment starting at 0 (labels ignored).
+        input_ids += [pad_id] * (width - used)
+        labels += [IGNORE] * (width - used)
+        positions += range(width - used)
+        owner += [-1] * (width - used)
+    shape = (len(rows), width)
+    out = {
+        "input_ids": torch.tensor(input_ids, dtype=torch.long).view(shape),
+        "labels": torch.tensor(labels, dtype=torch.long).view(shape),
+        "position_ids": torch.tensor(positions, dtype=torch.long).view(shape),
+    }
+    if owners:
+        out["example_index"] = torch.tensor(owner, dtype=torch.long).view(shape)
+    return out
