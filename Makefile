@@ -19,9 +19,13 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	@# tests/test_wheel.py builds the wheel offline, without build isolation: the venv's own setuptools builds it
+	$(PY) -m pip install -q 'setuptools>=69'
+	@# the distribution was renamed ratchet -> ratchet-lineage (same `pipeline` package): drop the old editable one
+	@$(PY) -m pip uninstall -q -y ratchet 2>/dev/null || true
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 

@@ -6,6 +6,7 @@ from alembic import context
 from sqlalchemy import Engine
 
 from pipeline.registry.db import make_engine
+from pipeline.registry.locations import HomePath
 from pipeline.registry.models import Base, JSONText, UTCDateTime
 
 config = context.config
@@ -23,7 +24,7 @@ def _url() -> str:
 
 def render_item(type_, obj, autogen_context):
     """Render our TypeDecorators as the plain types they store, so migrations never import the models."""
-    if type_ == "type" and isinstance(obj, JSONText):
+    if type_ == "type" and isinstance(obj, JSONText | HomePath):
         return "sa.Text()"
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"

@@ -10,6 +10,12 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.errors import RatchetError
+
+
+class HomeMissing(RatchetError):
+    """The home (``RATCHET_HOME``) holding the registry does not exist: ``ratchet init`` creates it."""
+
 
 class Settings(BaseSettings):
     """Runtime settings, read from ``RATCHET_*`` environment variables (and ``MLFLOW_TRACKING_URI``)."""
@@ -72,6 +78,20 @@ class Settings(BaseSettings):
         return self.home / "artifacts"
 
     def ensure_home(self) -> Path:
+        """The home, which must exist where the registry lives in it (the default SQLite file): a command run
+        from another directory would otherwise start an empty registry in a new ``./.ratchet`` there. So a
+        missing home is refused with one line (``HomeMissing``) naming where it would be; ``create_home``
+        (``ratchet init``, ``ratchet demo``) makes it. With an external registry (``database_url``) the home
+        only holds this machine's files (artifacts, caches) and is made when missing."""
+        if self.database_url is None and not self.home.is_dir():
+            raise HomeMissing(
+                f"no Ratchet home at {self.home.absolute()} (RATCHET_HOME, default ./.ratchet): "
+                "`ratchet init` creates it"
+            )
+        return self.create_home()
+
+    def create_home(self) -> Path:
+        """Make the home directory (and its parents) if it is missing; the home."""
         self.home.mkdir(parents=True, exist_ok=True)
         return self.home
 

@@ -55,6 +55,7 @@ def ratchet_home(tmp_path, monkeypatch):
     from pipeline.settings import get_settings
 
     home = tmp_path / "home"
+    home.mkdir()  # as `ratchet init` makes it: commands other than init refuse a missing home
     monkeypatch.setenv("RATCHET_HOME", str(home))
     monkeypatch.delenv("RATCHET_DATABASE_URL", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -14,10 +14,12 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pipeline.errors import RatchetError
+from pipeline.registry.models import Generation, utcnow
+from pipeline.settings import get_settings
+from pipeline.shipped import shipped_dir
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent.parent / "migrations"
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 
@@ -61,7 +63,7 @@ def _alembic_config(url: str):
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(shipped_dir("migrations")))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
@@ -152,8 +154,6 @@ def current_revision(url: str) -> str | None:
 def get_engine(url: str | None = None, *, upgrade: bool = True) -> Engine:
     """The process-wide engine for ``url`` (default: the settings' registry), migrated to head on first use."""
     if url is None:
-        from pipeline.settings import get_settings
-
         settings = get_settings()
         settings.ensure_home()
         url = settings.registry_url
@@ -248,8 +248,6 @@ def registry_busy(exc: BaseException, *, ours: frozenset[str] = frozenset()) -> 
 def _leased_work(ours: frozenset[str]) -> str:
     """What holds an advance lease now, in words ("" when nothing does or the registry cannot say)."""
     from sqlalchemy import select
-
-    from pipeline.registry.models import Generation, utcnow
 
     with _lock:
         engines = [e for e in _engines.values() if e.dialect.name == "sqlite"]

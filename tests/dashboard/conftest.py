@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from pipeline.settings import Settings
+from pipeline.settings import Settings, get_settings
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # served (the tiny model's window is 64 characters) and ingested: text a browser would run if it were markup
@@ -140,15 +140,24 @@ def dashboard_home(tmp_path_factory, small_base) -> Path:
     return home
 
 
+def use_home(monkeypatch, home: Path) -> None:
+    """Make ``home`` this process's RATCHET_HOME, as `ratchet dashboard` has it: the registry's paths are stored
+    relative to the home and read against the process's (pipeline.registry.locations)."""
+    monkeypatch.setenv("RATCHET_HOME", str(home))
+    get_settings.cache_clear()
+
+
 @pytest.fixture
-def read_settings(dashboard_home) -> Settings:
+def read_settings(dashboard_home, monkeypatch) -> Settings:
+    use_home(monkeypatch, dashboard_home)
     return Settings(home=dashboard_home)
 
 
 @pytest.fixture
-def acting_home(dashboard_home, tmp_path) -> Path:
+def acting_home(dashboard_home, tmp_path, monkeypatch) -> Path:
     copy = tmp_path / "acting"
     shutil.copytree(dashboard_home, copy)
+    use_home(monkeypatch, copy)
     return copy
 
 
