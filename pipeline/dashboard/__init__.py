@@ -1,7 +1,8 @@
 """The registry dashboard (``ratchet dashboard``): the lineage, each generation's evidence, held-out items,
 provenance, trends, experience and records, as server-rendered pages and a JSON API.
 
-``lineage``, ``comparison``, ``provenance``, ``experience`` and ``records`` compute what is shown; ``charts`` draws it; ``security`` decides
+``overview`` (the lineage at a glance), ``lineage``, ``comparison``, ``provenance``, ``experience`` and
+``records`` compute what is shown; ``charts`` draws it; ``security`` decides
 who may act; ``actions`` acts; ``app`` serves it all.
 """
 

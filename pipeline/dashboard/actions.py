@@ -9,15 +9,28 @@ the dashboard as the actor. Pages post forms and are redirected back (303); the 
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import quote
 
 from fastapi import FastAPI, Form, Header, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.orm import sessionmaker
 
+from pipeline.dashboard.responses import AbandonResult, ChampionMove, RescoreResult
 from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access, Id
-from pipeline.errors import ConflictError
+from pipeline.errors import ConflictError, NotFoundError, RatchetError
+from pipeline.loop.promotion import sync_champion_aliases
+from pipeline.registry import (
+    Experience,
+    audit,
+    get_champion,
+    get_generation,
+    promote_generation,
+    rollback_champion,
+)
+from pipeline.registry.generations import abandon_generation
+from pipeline.registry.tracking import MLflowTracker
+from pipeline.scoring import rescore_experience
 from pipeline.settings import Settings
 
 __all__ = ["abandon", "action_routes", "promote", "rescore", "rollback"]
@@ -27,9 +40,8 @@ log = logging.getLogger(__name__)
 
 def promote(
     *, factory: sessionmaker, settings: Settings, lineage: str, number: int, actor: str, reason: str
-) -> dict[str, Any]:
+) -> ChampionMove:
     """Make generation ``number`` the champion (refused while it is being built); MLflow aliases follow."""
-    from pipeline.registry import get_generation, promote_generation
 
     with factory.begin() as session:
         gen = get_generation(session=session, number=number, lineage=lineage)
@@ -38,51 +50,43 @@ def promote(
                 f"generation {number} is still being built ({gen.status}): let `ratchet advance` finish it"
             )
         promote_generation(session=session, generation=gen, reason=f"manual: {reason}", actor=actor)
-    return _with_aliases({"champion": number, "lineage": lineage}, factory=factory, settings=settings)
+    return _with_aliases(ChampionMove(champion=number, lineage=lineage), factory=factory, settings=settings)
 
 
-def rollback(*, factory: sessionmaker, settings: Settings, lineage: str, actor: str) -> dict[str, Any]:
+def rollback(*, factory: sessionmaker, settings: Settings, lineage: str, actor: str) -> ChampionMove:
     """Retire the champion and restore its parent; MLflow aliases follow."""
-    from pipeline.registry import rollback_champion
 
     with factory.begin() as session:
         number = rollback_champion(session=session, lineage=lineage, actor=actor).number
-    return _with_aliases({"champion": number, "lineage": lineage}, factory=factory, settings=settings)
+    return _with_aliases(ChampionMove(champion=number, lineage=lineage), factory=factory, settings=settings)
 
 
-def abandon(*, factory: sessionmaker, lineage: str, actor: str, reason: str) -> dict[str, Any]:
+def abandon(*, factory: sessionmaker, lineage: str, actor: str, reason: str) -> AbandonResult:
     """Fail the lineage's in-flight candidate for ``reason``; the next advance starts a new one."""
-    from pipeline.registry.generations import abandon_generation
 
     with factory.begin() as session:
         gen = abandon_generation(session=session, lineage=lineage, reason=reason, actor=actor)
-        return {"abandoned": gen.number, "lineage": lineage, "status": gen.status, "reason": reason}
+        return AbandonResult(abandoned=gen.number, lineage=lineage, status=gen.status, reason=reason)
 
 
-def _with_aliases(result: dict[str, Any], *, factory: sessionmaker, settings: Settings) -> dict[str, Any]:
+def _with_aliases(move: ChampionMove, *, factory: sessionmaker, settings: Settings) -> ChampionMove:
     """MLflow's champion aliases follow the committed move; where MLflow fails the move stands (the registry
     is the truth) and the answer says how the aliases get repaired."""
-    from pipeline.errors import RatchetError
-    from pipeline.loop.promotion import sync_champion_aliases
-    from pipeline.registry.tracking import MLflowTracker
 
     try:
         sync_champion_aliases(
-            lineage=result["lineage"],
+            lineage=move.lineage,
             tracker=lambda: MLflowTracker.from_settings(settings),
             engine=factory.kw["bind"],
         )
     except RatchetError as exc:
         log.warning("%s", exc)
-        result["aliases"] = str(exc)
-    return result
+        return move.model_copy(update={"aliases": str(exc)})
+    return move
 
 
-def rescore(*, factory: sessionmaker, lineage: str, experience_id: int, actor: str) -> dict[str, Any]:
+def rescore(*, factory: sessionmaker, lineage: str, experience_id: int, actor: str) -> RescoreResult:
     """Score one trace again under every contract version that scored it and the champion's."""
-    from pipeline.errors import NotFoundError
-    from pipeline.registry import Experience, audit, get_champion
-    from pipeline.scoring import rescore_experience
 
     with factory() as session:  # scoring commits as it goes (its batches); the audit entry follows it
         if session.get(Experience, experience_id) is None:
@@ -103,7 +107,9 @@ def rescore(*, factory: sessionmaker, lineage: str, experience_id: int, actor: s
             details={"contract_versions": [r.contract_version_id for r in results]},
         )
         session.commit()
-        return {"experience_id": experience_id, "contract_versions": [r.contract_version_id for r in results]}
+        return RescoreResult(
+            experience_id=experience_id, contract_versions=[r.contract_version_id for r in results]
+        )
 
 
 def action_routes(
@@ -224,24 +230,20 @@ def action_routes(
 
     @app.post("/api/generations/{number}/promote", tags=["actions"])
     def promote_api(request: Request, number: Id, lineage: str = lineage_name, reason: str = "promoted through the API",
-                    authorization: Auth = None) -> JSONResponse:  # fmt: skip
+                    authorization: Auth = None) -> ChampionMove:  # fmt: skip
         """Make a generation the champion (admin token; audited)."""
         who = actor(request, authorization, None)
-        return JSONResponse(
-            promote(
-                factory=factory, settings=settings, lineage=lineage, number=number, actor=who, reason=reason
-            )
+        return promote(
+            factory=factory, settings=settings, lineage=lineage, number=number, actor=who, reason=reason
         )
 
     @app.post("/api/rollback", tags=["actions"])
     def rollback_api(
         request: Request, lineage: str = lineage_name, authorization: Auth = None
-    ) -> JSONResponse:
+    ) -> ChampionMove:
         """Retire the champion and restore its parent (admin token; audited)."""
-        return JSONResponse(
-            rollback(
-                factory=factory, settings=settings, lineage=lineage, actor=actor(request, authorization, None)
-            )
+        return rollback(
+            factory=factory, settings=settings, lineage=lineage, actor=actor(request, authorization, None)
         )
 
     @app.post("/api/abandon", tags=["actions"])
@@ -250,15 +252,15 @@ def action_routes(
         lineage: str = lineage_name,
         reason: Annotated[str, Query(min_length=1, max_length=500)] = "abandoned through the API",
         authorization: Auth = None,
-    ) -> JSONResponse:
+    ) -> AbandonResult:
         """Fail the candidate in flight, with a reason; the next advance starts anew (admin token; audited)."""
         who = actor(request, authorization, None)
-        return JSONResponse(abandon(factory=factory, lineage=lineage, actor=who, reason=reason))
+        return abandon(factory=factory, lineage=lineage, actor=who, reason=reason)
 
     @app.post("/api/experience/{experience_id}/rescore", tags=["actions"])
     def rescore_api(
         request: Request, experience_id: Id, lineage: str = lineage_name, authorization: Auth = None
-    ) -> JSONResponse:
+    ) -> RescoreResult:
         """Score one trace again under its contract versions and the champion's (admin token; audited)."""
         who = actor(request, authorization, None)
-        return JSONResponse(rescore(factory=factory, lineage=lineage, experience_id=experience_id, actor=who))
+        return rescore(factory=factory, lineage=lineage, experience_id=experience_id, actor=who)

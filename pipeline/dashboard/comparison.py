@@ -3,24 +3,27 @@ the parent (newly solved, newly failed, better, worse, unchanged), and one item'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, get_args
 
 from sqlalchemy import select
 
 from pipeline.dashboard.lineage import get_generation_row
+from pipeline.dashboard.responses import Change, HeldOutItem, ItemComparison, ItemFilters, ItemRow
 from pipeline.errors import NotFoundError
+from pipeline.registry import EvaluationItem, Generation
+from pipeline.specs.contract import stored_contract
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from pipeline.registry import Generation
 
 __all__ = ["CHANGES", "held_out_item", "item_comparison"]
 
-CHANGES = ("newly solved", "newly failed", "better", "worse", "unchanged")
+# "newly solved", "newly failed", "better", "worse", "unchanged"
+CHANGES: tuple[Change, ...] = get_args(Change)
 
 
-def _change(parent: float, candidate: float, solved: float) -> str:
+def _change(parent: float, candidate: float, solved: float) -> Change:
     if parent < solved <= candidate:
         return "newly solved"
     if candidate < solved <= parent:
@@ -41,14 +44,12 @@ def item_comparison(
     lineage: str,
     number: int,
     specialist: str | None = None,
-    change: str | None = None,
+    change: Change | None = None,
     offset: int = 0,
-) -> dict[str, Any]:
+) -> ItemComparison:
     """The candidate against its parent item by item on the held-out suites: newly solved (total at or
     above the contract's ``selection.min_score``), newly failed, better, worse, unchanged; counts of all of
     them, and ``ROWS_PER_PAGE`` items from ``offset`` (a suite is a fixed, bounded list: offsets are fine)."""
-    from pipeline.registry import EvaluationItem
-    from pipeline.specs.contract import stored_contract
 
     gen = get_generation_row(session, lineage, number)
     solved = stored_contract(gen.contract_version.spec).selection.min_score
@@ -61,8 +62,8 @@ def item_comparison(
     ).where(EvaluationItem.generation_id == gen.id)
     if specialist:
         query = query.where(EvaluationItem.specialist == specialist)
-    counts: dict[str, dict[str, int]] = {}
-    items = []
+    counts: dict[str, dict[Change, int]] = {}
+    items: list[ItemRow] = []
     for s, pos, pv, cv, messages in session.execute(
         query.order_by(EvaluationItem.specialist, EvaluationItem.position)
     ):
@@ -74,31 +75,23 @@ def item_comparison(
             (str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), ""
         )
         items.append(
-            {
-                "specialist": s,
-                "position": pos,
-                "parent": pv,
-                "candidate": cv,
-                "change": kind,
-                "prompt": prompt[:240],
-            }
+            ItemRow(specialist=s, position=pos, parent=pv, candidate=cv, change=kind, prompt=prompt[:240])
         )
-    return {
-        "lineage": lineage,
-        "number": gen.number,
-        "parent": None if gen.parent_id is None else _parent_number(session, gen),
-        "solved_at": solved,
-        "counts": counts,
-        "rows": items[offset : offset + ROWS_PER_PAGE],
-        "matching": len(items),
-        "offset": offset,
-        "next_offset": offset + ROWS_PER_PAGE if offset + ROWS_PER_PAGE < len(items) else None,
-        "filters": {"specialist": specialist, "change": change},
-    }
+    return ItemComparison(
+        lineage=lineage,
+        number=gen.number,
+        parent=None if gen.parent_id is None else _parent_number(session, gen),
+        solved_at=solved,
+        counts=counts,
+        rows=items[offset : offset + ROWS_PER_PAGE],
+        matching=len(items),
+        offset=offset,
+        next_offset=offset + ROWS_PER_PAGE if offset + ROWS_PER_PAGE < len(items) else None,
+        filters=ItemFilters.model_validate({"specialist": specialist, "change": change}),
+    )
 
 
 def _parent_number(session: Session, gen: Generation) -> int | None:
-    from pipeline.registry import Generation
 
     parent = session.get(Generation, gen.parent_id)
     return parent.number if parent else None
@@ -106,9 +99,8 @@ def _parent_number(session: Session, gen: Generation) -> int | None:
 
 def held_out_item(
     *, session: Session, lineage: str, number: int, specialist: str, position: int
-) -> dict[str, Any]:
+) -> HeldOutItem:
     """One held-out item with the parent's and the candidate's answers side by side."""
-    from pipeline.registry import EvaluationItem
 
     gen = get_generation_row(session, lineage, number)
     row = session.scalar(
@@ -120,15 +112,15 @@ def held_out_item(
     )
     if row is None:
         raise NotFoundError(f"generation {number} has no held-out item {specialist}/{position}")
-    return {
-        "lineage": lineage,
-        "number": gen.number,
-        "parent": _parent_number(session, gen),
-        "specialist": specialist,
-        "position": position,
-        "messages": row.messages,
-        "parent_answer": row.parent_answer,
-        "candidate_answer": row.candidate_answer,
-        "parent_value": row.parent_value,
-        "candidate_value": row.candidate_value,
-    }
+    return HeldOutItem(
+        lineage=lineage,
+        number=gen.number,
+        parent=_parent_number(session, gen),
+        specialist=specialist,
+        position=position,
+        messages=row.messages,
+        parent_answer=row.parent_answer,
+        candidate_answer=row.candidate_answer,
+        parent_value=row.parent_value,
+        candidate_value=row.candidate_value,
+    )

@@ -18,17 +18,22 @@ failed), *not verified* (no verifying check applied: its score is form only, nev
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 from sqlalchemy import and_, func, select
 
+from pipeline.dashboard.responses import ExperiencePage, Status, TraceRow
 from pipeline.errors import NotFoundError
 from pipeline.experience.eligibility import UNKNOWN_PRINCIPAL
+from pipeline.experience.texts import message_text as content_text
+from pipeline.registry import Generation, Score, get_champion
+from pipeline.registry.experience import RAW_EXPERIENCE
 from pipeline.registry.models import load_json
 from pipeline.scoring.trace import FINAL
 
 if TYPE_CHECKING:
+    from sqlalchemy import ColumnElement, Label, Row, Select
     from sqlalchemy.orm import Session
 
 __all__ = [
@@ -51,7 +56,7 @@ MIN_WINDOW = 1_000
 PASSED, FAILED, NOT_VERIFIED, NOT_SCORED = "passed", "failed", "not verified", "not scored"
 
 
-def final_status(*, scored: bool, verified: bool | None, failed: list[str]) -> str:
+def final_status(*, scored: bool, verified: bool | None, failed: list[str]) -> Status:
     """A trace's verdict from its ``final`` row (see the module doc): ``scored`` (the row exists), its
     ``verified`` (a verifying scorer applied to the final turn) and ``failed`` (the verifying checks on it
     that failed). A failed check wins over anything the row says beside it."""
@@ -62,7 +67,7 @@ def final_status(*, scored: bool, verified: bool | None, failed: list[str]) -> s
     return PASSED if verified else NOT_VERIFIED
 
 
-def failed_checks(raw: Any) -> list[str]:
+def failed_checks(raw: JsonValue) -> list[str]:
     """The ``failed`` list of a ``final`` row's details (the list, or its JSON text), as names; anything of
     another shape is kept as one name, so that it still reads as a failure."""
     if isinstance(raw, str):
@@ -127,10 +132,10 @@ class ExperienceQuery(BaseModel):
         "verified", "q", "before", "after", mode="before",
     )  # fmt: skip
     @classmethod
-    def _blank_is_unset(cls, value: Any) -> Any:
+    def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value  # an empty form field
 
-    def active(self) -> dict[str, Any]:
+    def active(self) -> dict[str, str | int | float]:
         """The filters in use (no cursor), for links that keep them."""
         return {
             k: v
@@ -139,9 +144,8 @@ class ExperienceQuery(BaseModel):
         }
 
 
-def message_text(message: dict[str, Any]) -> str:
+def message_text(message: dict[str, JsonValue]) -> str:
     """A message's text (``pipeline.experience.texts.message_text``), else its tool calls as ``name(arguments)``."""
-    from pipeline.experience.texts import message_text as content_text
 
     text = content_text(message)
     calls = message.get("tool_calls") or []
@@ -156,7 +160,6 @@ def message_text(message: dict[str, Any]) -> str:
 
 def champion_contract(session: Session, lineage: str) -> int | None:
     """The contract version of ``lineage``'s champion (what pages score traces under); None without one."""
-    from pipeline.registry import get_champion
 
     champion = get_champion(session=session, lineage=lineage)
     return champion.contract_version_id if champion else None
@@ -164,12 +167,10 @@ def champion_contract(session: Session, lineage: str) -> int | None:
 
 def list_experience(
     *, session: Session, lineage: str, query: ExperienceQuery, budget_s: float = SCAN_BUDGET_S
-) -> dict[str, Any]:
+) -> ExperiencePage:
     """One page of traces matching ``query``, newest first, with the cursors of the next pages. Each trace
     carries its final turn's score and verdict under the champion's contract (``status``, ``verified``: it
     passed, ``failed``: the checks that failed), its principal, and whether its feedback counts or is claimed."""
-    from pipeline.registry import Generation, Score
-    from pipeline.registry.experience import RAW_EXPERIENCE
 
     e, s = RAW_EXPERIENCE, Score.__table__
     dialect = session.get_bind().dialect.name
@@ -226,7 +227,7 @@ def list_experience(
     scanned = scanned or len(conditions) > indexed
     prompt, answer, tool = _previews(e.c.messages, dialect)
 
-    def columns(*bounds: Any) -> Any:
+    def columns(*bounds: ColumnElement[bool]) -> Select:
         # the id window bounds the score side of the join too: PostgreSQL then probes the score index for
         # the window's ids instead of hashing every score of the contract (an anti-join for "unscored")
         on = and_(
@@ -245,7 +246,7 @@ def list_experience(
     # two single-aggregate queries: SQLite answers each from the primary key, a min and max together scan
     lowest = session.scalar(select(func.min(e.c.id)))
     highest = session.scalar(select(func.max(e.c.id)))
-    rows: list[Any] = []
+    rows: list[Row] = []
     searched_to: int | None = None
     if lowest is not None:
         before = min(query.before, highest + 1) if query.before is not None else highest + 1
@@ -281,53 +282,53 @@ def list_experience(
     if newer:
         rows.reverse()
     items = [_item(r, numbers) for r in rows]
-    first_id, last_id = (items[0]["id"], items[-1]["id"]) if items else (None, None)
+    first_id, last_id = (items[0].id, items[-1].id) if items else (None, None)
     if newer:  # walking up: older is where this page starts, newer where it ends or where the scan stopped
         older = last_id if last_id is not None and last_id > lowest else None
         newer_cursor = searched_to - 1 if searched_to is not None else (first_id if more else None)
     else:
         older = last_id if more else searched_to
         newer_cursor = first_id if query.before is not None and first_id is not None else None
-    return {
-        "lineage": lineage,
-        "filters": query.active(),
-        "traces": items,
-        "older": older,  # pass as ``before``
-        "newer": newer_cursor,  # pass as ``after``
-        "searched_to": searched_to,  # set when the page stopped early: ids beyond it are not searched yet
-        "direction": "newer" if newer else "older",
-        "scanned": scanned,
-        "contract_version_id": contract_id,
-        "newest_id": highest,
-    }
+    return ExperiencePage(
+        lineage=lineage,
+        filters=query.active(),
+        traces=items,
+        older=older,  # pass as ``before``
+        newer=newer_cursor,  # pass as ``after``
+        searched_to=searched_to,  # set when the page stopped early: ids beyond it are not searched yet
+        direction="newer" if newer else "older",
+        scanned=scanned,
+        contract_version_id=contract_id,
+        newest_id=highest,
+    )
 
 
-def _item(r: Any, numbers: dict[int, int]) -> dict[str, Any]:
+def _item(r: Row, numbers: dict[int, int]) -> TraceRow:
     """One row of the list as the API returns it."""
     scored = r.score_id is not None
     failed = failed_checks(r.failed) if scored else []
     status = final_status(scored=scored, verified=r.verified, failed=failed)
     feedback = _feedback_doc(r.feedback)
-    return {
-        "id": r.id,
-        "created_at": r.created_at.isoformat() if hasattr(r.created_at, "isoformat") else str(r.created_at),
-        "source": r.source,
-        "specialist": r.specialist,
-        "principal": r.principal,  # None: served before principals were recorded
-        "generation": numbers.get(r.generation_id),
-        "prompt": _text(r.prompt),
-        "answer": _text(r.answer) or (f"tool call {_text(r.tool)}" if r.tool else ""),
-        "score": r.value if scored else None,  # the final turn's, whatever its verdict: read ``status``
-        "status": status,
-        "verified": None if status == NOT_SCORED else status == PASSED,
-        "failed": failed,
-        "feedback": feedback is not None,
-        "feedback_counted": isinstance(feedback, dict) and ("rating" in feedback or "correction" in feedback),
-        "feedback_claimed": isinstance(feedback, dict) and "claimed" in feedback,
-    }
+    return TraceRow(
+        id=r.id,
+        created_at=r.created_at.isoformat() if hasattr(r.created_at, "isoformat") else str(r.created_at),
+        source=r.source,
+        specialist=r.specialist,
+        principal=r.principal,  # None: served before principals were recorded
+        generation=numbers.get(r.generation_id),
+        prompt=_text(r.prompt),
+        answer=_text(r.answer) or (f"tool call {_text(r.tool)}" if r.tool else ""),
+        score=r.value if scored else None,  # the final turn's, whatever its verdict: read ``status``
+        status=status,
+        verified=None if status == NOT_SCORED else status == PASSED,
+        failed=failed,
+        feedback=feedback is not None,
+        feedback_counted=isinstance(feedback, dict) and ("rating" in feedback or "correction" in feedback),
+        feedback_claimed=isinstance(feedback, dict) and "claimed" in feedback,
+    )
 
 
-def _feedback_doc(text: str | None) -> Any:
+def _feedback_doc(text: str | None) -> JsonValue:
     """A trace's stored feedback document (None when there is none); text that is not JSON stays text."""
     if text is None or text == "null":
         return None
@@ -337,7 +338,7 @@ def _feedback_doc(text: str | None) -> Any:
         return text
 
 
-def _failed_sql(details: Any, dialect: str) -> tuple[Any, Any]:
+def _failed_sql(details: ColumnElement, dialect: str) -> tuple[Label, ColumnElement[int]]:
     """SQL for a score row's ``details.failed``: its JSON text (for display) and how many checks it names (a
     list's length; 0 when absent or null; 1 for anything else, which ``failed_checks`` shows as one)."""
     from sqlalchemy import case, cast
@@ -354,7 +355,7 @@ def _failed_sql(details: Any, dialect: str) -> tuple[Any, Any]:
     return text.label("failed"), count
 
 
-def _has_key(feedback: Any, key: str, dialect: str) -> Any:
+def _has_key(feedback: ColumnElement, key: str, dialect: str) -> ColumnElement[bool]:
     """SQL: the stored feedback document has ``key`` at its top (a counted ``rating`` or ``correction``, or the
     ``claimed`` part) -- not merely somewhere inside it, as a claimed rating is. The LIKE goes first: it
     rules out most documents without parsing them."""
@@ -374,7 +375,7 @@ def _has_key(feedback: Any, key: str, dialect: str) -> Any:
 PREVIEW_CHARS = 200
 
 
-def _previews(messages: Any, dialect: str) -> tuple[Any, Any, Any]:
+def _previews(messages: ColumnElement, dialect: str) -> tuple[Label, Label, Label]:
     """SQL for a trace's first prompt, last message and last tool call's name, cut to ``PREVIEW_CHARS``:
     a list page reads a few hundred characters per trace, not whole conversations."""
     from sqlalchemy import case, cast
@@ -403,6 +404,6 @@ def _previews(messages: Any, dialect: str) -> tuple[Any, Any, Any]:
     )
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     text = "" if value is None else str(value)
     return text[:PREVIEW_CHARS] + ("…" if len(text) > PREVIEW_CHARS else "")

@@ -1,160 +1,30 @@
-"""What the dashboard shows of a lineage: its tree, a generation's evidence, held-out items, trends, adapters.
+"""What the dashboard shows of a generation: its evidence (adapters, held-out comparison, the gates' verdict,
+router, curation, collection, discovery) and the lineage's trends. The lineage at a glance is ``overview``.
 
-Keyword-only data functions over a session; each returns plain JSON-ready data, which the JSON API returns
-as is and the pages render. Nothing here writes.
+Keyword-only data functions over a session; each reads a generation's stored documents through their models
+(``pipeline.registry.documents``) and returns plain JSON-ready data. Nothing here writes.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import selectinload
 
-from pipeline.errors import NotFoundError
-from pipeline.gates.transfer import matrix_view, measured
-from pipeline.loop import discovery
+from pipeline.dashboard.overview import discovery_summary, method_label, summaries, summarise
+from pipeline.loop.promotion import t_quantile
+from pipeline.registry import Generation, TrainingDataset, get_generation
+from pipeline.registry.documents import AdapterMetrics, CurateOutcome, evaluation_of, state_of
+from pipeline.specs.contract import stored_contract
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from pipeline.registry import Generation
 
-__all__ = ["generation_detail", "lineage_names", "lineage_overview", "split_reasons", "trends"]
-
-
-def lineage_names(*, session: Session) -> list[str]:
-    from pipeline.registry import Generation
-
-    return list(session.scalars(select(Generation.lineage).distinct().order_by(Generation.lineage)))
-
-
-# Each generation's summary (what the tree, the table and the trends need), parsed once from its row and kept
-# while the row's ``updated_at`` stays the same: a decided generation never changes, so a lineage page reads
-# two small columns per generation instead of every evaluation's item scores and every state document.
-_SUMMARIES: dict[tuple[str, int, str], dict[str, Any]] = {}
-_SUMMARY_LIMIT = 100_000
-
-
-def _summarise(gen: Generation) -> dict[str, Any]:
-    ev = gen.evaluation or {}
-    steps = (gen.state or {}).get("steps") or {}
-    items = ev.get("items") or {}
-    return {
-        "id": gen.id,
-        "number": gen.number,
-        "parent_id": gen.parent_id,
-        "status": gen.status,
-        "decision": gen.decision,
-        "created_at": gen.created_at.isoformat(),
-        "harness_version_id": gen.harness_version_id,
-        "harness": f"{gen.harness_version.name} {gen.harness_version.version}",
-        "contract": f"{gen.contract_version.name} {gen.contract_version.version}",
-        "overall": ev.get("overall"),
-        "parent_overall": ev.get("parent_overall"),
-        "attempt": ev.get("attempt"),
-        "means": {s: _mean_interval(v.get("candidate") or []) for s, v in items.items()},
-        "parent_means": {s: _mean_interval(v.get("parent") or []) for s, v in items.items()},
-        "retention": {
-            n: _mean_interval(r.get("candidate") or []) for n, r in (ev.get("retention") or {}).items()
-        },
-        "parent_retention": {
-            n: _mean_interval(r.get("parent") or []) for n, r in (ev.get("retention") or {}).items()
-        },
-        "measured": measured(ev, "candidate"),  # the accuracy matrix's cells (pipeline.gates.transfer)
-        "parent_measured": measured(ev, "parent"),
-        "router": (ev.get("router") or {}).get("accuracy"),
-        "parent_router": (ev.get("parent_router") or {}).get("accuracy"),
-        "trained": bool((steps.get("train") or {}).get("adapters")),
-        "methods": sorted({a.adapter.method for a in gen.adapters if a.adapter}),
-    }
-
-
-def _summaries(session: Session, lineage: str) -> list[dict[str, Any]]:
-    from pipeline.registry import Generation, GenerationAdapter
-
-    url = session.get_bind().url.render_as_string(hide_password=True)
-    heads = session.execute(
-        select(Generation.id, Generation.updated_at)
-        .where(Generation.lineage == lineage)
-        .order_by(Generation.number)
-    ).all()
-    keys = [(url, i, str(updated)) for i, updated in heads]
-    missing = [k[1] for k in keys if k not in _SUMMARIES]
-    if len(_SUMMARIES) + len(missing) > _SUMMARY_LIMIT:
-        _SUMMARIES.clear()
-        missing = [k[1] for k in keys]
-    for chunk in range(0, len(missing), 500):
-        rows = session.scalars(
-            select(Generation)
-            .where(Generation.id.in_(missing[chunk : chunk + 500]))
-            .options(
-                selectinload(Generation.adapters).selectinload(GenerationAdapter.adapter),
-                selectinload(Generation.harness_version),
-                selectinload(Generation.contract_version),
-            )
-        )
-        for gen in rows:
-            _SUMMARIES[(url, gen.id, str(gen.updated_at))] = _summarise(gen)
-    return [_SUMMARIES[k] for k in keys if k in _SUMMARIES]
-
-
-def _method(summary: dict[str, Any], parent: dict[str, Any] | None) -> str:
-    """How the generation was built, in a few words: its new adapters' training method, and whether
-    co-design changed the harness."""
-    if summary["parent_id"] is None:
-        return "base"
-    label = "+".join(summary["methods"]) if summary["trained"] else "no new adapters"
-    if parent is not None and summary["harness_version_id"] != parent["harness_version_id"]:
-        label += " + harness"
-    return label
-
-
-def lineage_overview(*, session: Session, lineage: str) -> dict[str, Any]:
-    """Every generation of ``lineage`` as a node (status, overall held-out score, method), the champion,
-    and the held-out score of generation 0 and of the champion (the improvement at a glance)."""
-    gens = _summaries(session, lineage)
-    if not gens:
-        raise NotFoundError(f"lineage {lineage!r} has no generations: run `ratchet init`")
-    by_id = {g["id"]: g for g in gens}
-    nodes = []
-    for g in gens:
-        parent = by_id.get(g["parent_id"])
-        nodes.append(
-            {
-                "number": g["number"],
-                "parent": parent["number"] if parent else None,
-                "status": g["status"],
-                "overall": g["overall"],
-                "parent_overall": g["parent_overall"],
-                "attempt": g["attempt"],
-                "method": _method(g, parent),
-                "champion": g["status"] == "promoted",
-                "harness": g["harness"],
-                "contract": g["contract"],
-                "decision": g["decision"],
-                "created_at": g["created_at"],
-            }
-        )
-    champion = next((n for n in nodes if n["champion"]), None)
-    first = nodes[0]
-    return {
-        "lineage": lineage,
-        "generations": nodes,
-        "matrix": matrix_view(gens, nodes, champion["number"] if champion else None),
-        "champion": champion["number"] if champion else None,
-        "first_overall": first["overall"],
-        "champion_overall": champion["overall"] if champion else None,
-        "promotions": sum(
-            1 for g in gens if g["parent_id"] is not None and g["status"] in ("promoted", "retired")
-        ),
-        "rejections": sum(1 for g in gens if g["status"] == "rejected"),
-    }
+__all__ = ["generation_detail", "split_reasons", "trends"]
 
 
 def get_generation_row(session: Session, lineage: str, number: int) -> Generation:
-    from pipeline.registry import get_generation
 
     return get_generation(session=session, number=number, lineage=lineage)
 
@@ -176,29 +46,24 @@ def generation_detail(
     held-out scores against the parent per specialist with deltas and intervals, the gate's verdict,
     router accuracy and confusion, and what curation kept and dropped (by specialist and reason, and by the
     principal whose turn it was and reason)."""
-    from pipeline.loop.promotion import (
-        t_quantile,  # the gates' own quantiles: the page shows what they computed
-    )
-    from pipeline.registry import Generation, TrainingDataset
-    from pipeline.specs.contract import stored_contract
 
     gen = get_generation_row(session, lineage, number)
     parent = session.get(Generation, gen.parent_id) if gen.parent_id else None
-    ev = gen.evaluation or {}
-    steps = (gen.state or {}).get("steps") or {}
+    ev, state = evaluation_of(gen), state_of(gen)
+    steps = state.steps
     contract = stored_contract(gen.contract_version.spec)
     gates = contract.promotion
     datasets = {
         d.specialist: d
         for d in session.scalars(select(TrainingDataset).where(TrainingDataset.generation_id == gen.id))
     }
-    trained = set(((steps.get("train") or {}).get("adapters") or {}).keys())
+    trained = set(steps.train.adapters if steps.train else ())
     ungated = {name for name, spec in contract.specialists.items() if spec.ungated}
     adapters = []
     for slot in gen.adapters:
         a = slot.adapter
         ds = datasets.get(slot.specialist)
-        metrics = (a.metrics or {}) if a else {}
+        metrics = AdapterMetrics.read(a.metrics if a else None)
         adapters.append(
             {
                 "specialist": slot.specialist,
@@ -212,49 +77,44 @@ def generation_detail(
                 "method": a.method if a else None,
                 "mlflow_run_id": a.mlflow_run_id if a else None,
                 "mlflow_link": mlflow_run_link(
-                    tracking_uri, metrics.get("mlflow_experiment_id"), a.mlflow_run_id if a else None
+                    tracking_uri, metrics.mlflow_experiment_id, a.mlflow_run_id if a else None
                 ),
-                "final_loss": metrics.get("final_loss"),
-                "final_reward": metrics.get("final_reward"),
-                "steps": metrics.get("steps"),
-                "loss_curve": metrics.get("loss_curve") or [],
+                "final_loss": metrics.final_loss,
+                "final_reward": metrics.final_reward,
+                "steps": metrics.steps,
+                "loss_curve": [list(point) for point in metrics.loss_curve],
                 "dataset": {"id": ds.id, "sha256": ds.sha256, "rows": ds.num_rows} if ds else None,
             }
         )
-    comparison = ev.get("comparison") or {}
-    verdict = ev.get("verdict") or {}
+    comparison, verdict = ev.comparison, ev.verdict
     # the gate's own non-inferiority results where the verdict has them (older verdicts: the t bound)
-    tested = {t["test"]: t["passed"] for t in verdict.get("tests") or []}
+    tested = {t.test: t.passed for t in verdict.tests} if verdict else {}
     z95 = 1.959963984540054
     specialists = []
-    for s, c in sorted((comparison.get("specialists") or {}).items()):
-        n = int(c["n"])
-        half = t_quantile(0.975, n - 1) * c["se"] if n > 1 else z95 * c["se"]
-        floor = c["delta"] - t_quantile(1 - gates.regression_error_rate, max(1, n - 1)) * c["se"]
+    for s, c in sorted(comparison.specialists.items() if comparison else ()):
+        n = int(c.n)
+        half = t_quantile(0.975, n - 1) * c.se if n > 1 else z95 * c.se
+        floor = c.delta - t_quantile(1 - gates.regression_error_rate, max(1, n - 1)) * c.se
         specialists.append(
             {
                 "specialist": s,
                 "n": n,
-                "parent": c["champion"],
-                "candidate": c["candidate"],
-                "delta": c["delta"],
-                "se": c["se"],
-                "interval": [c["delta"] - half, c["delta"] + half],
+                "parent": c.champion,
+                "candidate": c.candidate,
+                "delta": c.delta,
+                "se": c.se,
+                "interval": [c.delta - half, c.delta + half],
                 "floor": floor,
                 "tolerance": gates.tolerance(s),
                 "passes_tolerance": tested.get(f"noninferiority:{s}", floor > -gates.tolerance(s)),
             }
         )
-    curate = steps.get("curate") or {}
-    kept = {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()}
-    dropped = curate.get("dropped") or {}
+    curate = steps.curate or CurateOutcome()
+    kept = {s: d.rows for s, d in curate.datasets.items()}
+    dropped = curate.dropped
     reasons = sorted({r for per in dropped.values() for r in per})
-    by_principal = curate.get("dropped_by_principal")  # absent: curated before principals were recorded
-    principal_reasons = (
-        sorted({r for per in by_principal.values() if isinstance(per, dict) for r in per})
-        if isinstance(by_principal, dict)
-        else []
-    )
+    by_principal = curate.dropped_by_principal  # None: curated before principals were recorded
+    principal_reasons = sorted({r for per in (by_principal or {}).values() for r in per})
     return {
         "lineage": lineage,
         "number": gen.number,
@@ -273,45 +133,43 @@ def generation_detail(
         },
         "base_model": gen.base_model.name,
         "created_at": gen.created_at.isoformat(),
-        "method": _method(
-            _summarise(gen), {"harness_version_id": parent.harness_version_id} if parent else None
-        ),
+        "method": method_label(summarise(gen), parent.harness_version_id if parent else None),
         "adapters": adapters,
         "heldout": {
             "specialists": specialists,
-            "overall": ev.get("overall"),
-            "parent_overall": ev.get("parent_overall"),
-            "delta": comparison.get("delta"),
-            "se": comparison.get("se"),
-            "attempt": ev.get("attempt"),
+            "overall": ev.overall,
+            "parent_overall": ev.parent_overall,
+            "delta": comparison.delta if comparison else None,
+            "se": comparison.se if comparison else None,
+            "attempt": ev.attempt,
             "ungated": sorted(ungated & {slot.specialist for slot in gen.adapters}),
         },
         "verdict": {
             "decision": gen.decision,
-            "promote": verdict.get("promote"),
-            "rate": verdict.get("rate"),
-            "lower": verdict.get("lower"),
-            "tests": verdict.get("tests") or [],
+            "promote": verdict.promote if verdict else None,
+            "rate": verdict.rate if verdict else None,
+            "lower": verdict.lower if verdict else None,
+            "tests": [t.as_stored() for t in verdict.tests] if verdict else [],
             "min_improvement": gates.min_improvement,
             "false_promotion_rate": gates.false_promotion_rate,
-            "reasons": verdict.get("reasons") or split_reasons(gen.decision),
+            "reasons": (verdict.reasons if verdict else []) or split_reasons(gen.decision),
         },
-        "router": ev.get("router"),
-        "parent_router": ev.get("parent_router"),
+        "router": ev.router.as_stored() if ev.router else None,
+        "parent_router": ev.parent_router.as_stored() if ev.parent_router else None,
         "curation": {
             "kept": kept,
             "dropped": dropped,
             "reasons": reasons,
             "dropped_by_principal": by_principal,  # principal -> reason -> turns (``Drops.principals``)
             "principal_reasons": principal_reasons,
-            "skipped": {
-                s: d["skipped"] for s, d in (curate.get("datasets") or {}).items() if d.get("skipped")
-            },
+            "skipped": {s: d.skipped for s, d in curate.datasets.items() if d.skipped},
         },
         "collection": {
-            k: v for k, v in (steps.get("collect") or {}).items() if not isinstance(v, dict | list)
+            k: v
+            for k, v in (steps.collect.as_stored() if steps.collect else {}).items()
+            if not isinstance(v, dict | list)
         },
-        "discovery": discovery.discovery_summary(steps.get("discover"), ev.get("discovery")),
+        "discovery": {s: d.model_dump() for s, d in discovery_summary(state, ev).items()},
     }
 
 
@@ -333,22 +191,11 @@ def split_reasons(decision: str | None) -> list[str]:
     return [r for r in out if r]
 
 
-def _mean_interval(values: list[float]) -> tuple[float, float, float] | None:
-    import numpy as np
-
-    if not values:
-        return None
-    a = np.asarray(values, dtype=np.float64)
-    half = 1.959963984540054 * (float(a.std(ddof=1)) / math.sqrt(len(a))) if len(a) > 1 else 0.0
-    mean = float(a.mean())
-    return mean, mean - half, mean + half
-
-
 def trends(*, session: Session, lineage: str) -> dict[str, Any]:
     """Held-out score per specialist over generations with 95% intervals (from the stored item scores),
     and router accuracy, for every evaluated generation; generation 0 from its first evaluation."""
-    gens = _summaries(session, lineage)
-    numbers = {g["id"]: g["number"] for g in gens}
+    gens = summaries(session, lineage)
+    numbers = {g.id: g.number for g in gens}
     scores: dict[str, list[dict[str, Any]]] = {}
     router: list[dict[str, Any]] = []
 
@@ -358,23 +205,24 @@ def trends(*, session: Session, lineage: str) -> dict[str, Any]:
                 {"generation": number, "score": m[0], "low": m[1], "high": m[2], "status": status}
             )
 
-    first = next((g for g in gens if g["means"]), None)
-    if first is not None and first["parent_id"] in numbers:  # the parent of the first evaluated candidate
-        for s, m in first["parent_means"].items():
-            point(s, numbers[first["parent_id"]], m, "base")
-        if first["parent_router"] is not None:
+    first = next((g for g in gens if g.means), None)
+    if first is not None and first.parent_id in numbers:  # the parent of the first evaluated candidate
+        for s, m in first.parent_means.items():
+            point(s, numbers[first.parent_id], m, "base")
+        if first.parent_router_accuracy is not None:
             router.append(
                 {
-                    "generation": numbers[first["parent_id"]],
-                    "accuracy": first["parent_router"],
+                    "generation": numbers[first.parent_id],
+                    "accuracy": first.parent_router_accuracy,
                     "status": "base",
                 }
             )
     for g in gens:
-        for s, m in g["means"].items():
-            point(s, g["number"], m, g["status"])
-        if g["router"] is not None and g["means"]:
-            router.append({"generation": g["number"], "accuracy": g["router"], "status": g["status"]})
+        number, status, accuracy = g.number, g.status, g.router_accuracy
+        for s, m in g.means.items():
+            point(s, number, m, status)
+        if accuracy is not None and g.means:
+            router.append({"generation": number, "accuracy": accuracy, "status": status})
     # retention suites beside them: each generation's own measurement; one measured only as a parent (generation
     # 0, or a champion older than the suite) from the first child that measured it
     retention: dict[str, list[dict[str, Any]]] = {}
@@ -384,13 +232,13 @@ def trends(*, session: Session, lineage: str) -> dict[str, Any]:
             {"generation": number, "score": m[0], "low": m[1], "high": m[2], "status": status}
         )
 
-    done = {(name, g["number"]) for g in gens for name, m in g["retention"].items() if m}
+    done = {(name, g.number) for g in gens for name, m in g.retention.items() if m}
     for g in gens:
-        for name, m in g["retention"].items():
+        for name, m in g.retention.items():
             if m:
-                kept(name, g["number"], m, g["status"])
-        parent = numbers.get(g["parent_id"])
-        for name, m in g["parent_retention"].items():
+                kept(name, g.number, m, g.status)
+        parent = numbers.get(g.parent_id)
+        for name, m in g.parent_retention.items():
             if m and parent is not None and (name, parent) not in done:
                 done.add((name, parent))
                 kept(name, parent, m, "parent")

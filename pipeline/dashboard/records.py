@@ -4,15 +4,34 @@ diff of two), the quarantine and the audit log (keyset pages, newest first). Rea
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import yaml
+from pydantic import JsonValue
 from sqlalchemy import select
 
+from pipeline.dashboard.responses import (
+    AuditEntry,
+    AuditPage,
+    DiffRow,
+    GenerationUse,
+    QuarantineEntry,
+    QuarantinePage,
+    VersionDetail,
+    VersionDiff,
+    VersionList,
+    VersionRef,
+    VersionRow,
+)
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.registry import AuditLog, ContractVersion, Generation, HarnessVersion, Quarantine
 
 if TYPE_CHECKING:
+    from sqlalchemy import ColumnElement
     from sqlalchemy.orm import Session
+
+
+Row = TypeVar("Row", "AuditLog", "Quarantine")
 
 __all__ = ["audit_page", "diff_versions", "list_versions", "quarantine_page", "version_detail"]
 
@@ -20,7 +39,6 @@ Kind = Literal["contracts", "harnesses"]
 
 
 def _model(kind: str):
-    from pipeline.registry import ContractVersion, HarnessVersion
 
     if kind == "contracts":
         return ContractVersion
@@ -29,31 +47,31 @@ def _model(kind: str):
     raise NotFoundError(f"no such record kind {kind!r}: expected contracts or harnesses")
 
 
-def list_versions(*, session: Session, kind: Kind) -> list[dict[str, Any]]:
+def list_versions(*, session: Session, kind: Kind) -> VersionList:
     model = _model(kind)
-    return [
-        {
-            "id": r.id,
-            "name": r.name,
-            "version": r.version,
-            "sha256": r.content_hash,
-            "created_at": r.created_at.isoformat(),
-            **({"parent_id": r.parent_id} if kind == "harnesses" else {}),
-        }
+    rows = [
+        VersionRow(
+            id=r.id,
+            name=r.name,
+            version=r.version,
+            sha256=r.content_hash,
+            created_at=r.created_at.isoformat(),
+            parent_id=r.parent_id if kind == "harnesses" else None,
+        )
         for r in session.scalars(select(model).order_by(model.name, model.id))
     ]
+    return VersionList(kind=kind, versions=rows)
 
 
-def _spec_text(spec: Any) -> str:
+def _spec_text(spec: JsonValue) -> str:
     return yaml.safe_dump(spec, sort_keys=False, allow_unicode=True, width=100)
 
 
-def version_detail(*, session: Session, kind: Kind, version_id: int) -> dict[str, Any]:
+def version_detail(*, session: Session, kind: Kind, version_id: int) -> VersionDetail:
     model = _model(kind)
     row = session.get(model, version_id)
     if row is None:
         raise NotFoundError(f"no {kind[:-1]} version with id {version_id}")
-    from pipeline.registry import Generation
 
     column = Generation.contract_version_id if kind == "contracts" else Generation.harness_version_id
     used = session.execute(
@@ -61,54 +79,52 @@ def version_detail(*, session: Session, kind: Kind, version_id: int) -> dict[str
         .where(column == row.id)
         .order_by(Generation.number)
     ).all()
-    return {
-        "kind": kind,
-        "id": row.id,
-        "name": row.name,
-        "version": row.version,
-        "sha256": row.content_hash,
-        "created_at": row.created_at.isoformat(),
-        "spec": row.spec,
-        "yaml": _spec_text(row.spec),
-        "used_by": [{"lineage": u.lineage, "number": u.number, "status": u.status} for u in used],
-    }
+    return VersionDetail(
+        kind=kind,
+        id=row.id,
+        name=row.name,
+        version=row.version,
+        sha256=row.content_hash,
+        created_at=row.created_at.isoformat(),
+        spec=row.spec,
+        yaml=_spec_text(row.spec),
+        used_by=[GenerationUse(lineage=u.lineage, number=u.number, status=u.status) for u in used],
+    )
 
 
-def diff_versions(*, session: Session, kind: Kind, a: int, b: int) -> dict[str, Any]:
+def _ref(detail: VersionDetail) -> VersionRef:
+    return VersionRef(id=detail.id, name=detail.name, version=detail.version, sha256=detail.sha256)
+
+
+def diff_versions(*, session: Session, kind: Kind, a: int, b: int) -> VersionDiff:
     """Two versions side by side as aligned rows: ``(op, left line no, left, right line no, right)`` with
     ``op`` one of equal, replace, delete, insert (difflib's opcodes over the specs' YAML)."""
     left, right = (
         version_detail(session=session, kind=kind, version_id=a),
         version_detail(session=session, kind=kind, version_id=b),
     )
-    la, lb = left["yaml"].splitlines(), right["yaml"].splitlines()
-    rows: list[dict[str, Any]] = []
+    la, lb = left.yaml.splitlines(), right.yaml.splitlines()
+    rows: list[DiffRow] = []
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=la, b=lb, autojunk=False).get_opcodes():
         span = max(i2 - i1, j2 - j1)
         for k in range(span):
             i, j = i1 + k, j1 + k
             rows.append(
-                {
-                    "op": op,
-                    "left_no": i + 1 if i < i2 else None,
-                    "left": la[i] if i < i2 else None,
-                    "right_no": j + 1 if j < j2 else None,
-                    "right": lb[j] if j < j2 else None,
-                }
+                DiffRow(
+                    op=op,
+                    left_no=i + 1 if i < i2 else None,
+                    left=la[i] if i < i2 else None,
+                    right_no=j + 1 if j < j2 else None,
+                    right=lb[j] if j < j2 else None,
+                )
             )
-    changed = sum(1 for r in rows if r["op"] != "equal")
-    return {
-        "kind": kind,
-        "a": {k: left[k] for k in ("id", "name", "version", "sha256")},
-        "b": {k: right[k] for k in ("id", "name", "version", "sha256")},
-        "rows": rows,
-        "changed_lines": changed,
-    }
+    changed = sum(1 for r in rows if r.op != "equal")
+    return VersionDiff(kind=kind, a=_ref(left), b=_ref(right), rows=rows, changed_lines=changed)
 
 
 def _page(
-    session: Session, model: Any, *, before: int | None, limit: int, where: list[Any]
-) -> tuple[list[Any], int | None]:
+    session: Session, model: type[Row], *, before: int | None, limit: int, where: list[ColumnElement[bool]]
+) -> tuple[list[Row], int | None]:
     if not 1 <= limit <= 500:
         raise RatchetError(f"limit {limit} is out of range: expected 1 to 500")
     q = select(model).where(*where)
@@ -120,28 +136,27 @@ def _page(
 
 def quarantine_page(
     *, session: Session, before: int | None = None, limit: int = 50, source_file: str | None = None
-) -> dict[str, Any]:
+) -> QuarantinePage:
     """Refused input lines, newest first: file, line number, reason and the raw text (shown as text)."""
-    from pipeline.registry import Quarantine
 
     where = [Quarantine.source_file == source_file] if source_file else []
     rows, older = _page(session, Quarantine, before=before, limit=limit, where=where)
-    return {
-        "entries": [
-            {
-                "id": r.id,
-                "source_file": r.source_file,
-                "line": r.line_number,
-                "reason": r.reason,
-                "raw": r.raw[:4000],
-                "truncated": len(r.raw) > 4000,
-                "created_at": r.created_at.isoformat(),
-            }
+    return QuarantinePage(
+        entries=[
+            QuarantineEntry(
+                id=r.id,
+                source_file=r.source_file,
+                line=r.line_number,
+                reason=r.reason,
+                raw=r.raw[:4000],
+                truncated=len(r.raw) > 4000,
+                created_at=r.created_at.isoformat(),
+            )
             for r in rows
         ],
-        "older": older,
-        "filters": {"source_file": source_file} if source_file else {},
-    }
+        older=older,
+        filters={"source_file": source_file} if source_file else {},
+    )
 
 
 def audit_page(
@@ -152,9 +167,8 @@ def audit_page(
     entity: str | None = None,
     action: str | None = None,
     actor: str | None = None,
-) -> dict[str, Any]:
+) -> AuditPage:
     """Every state change, newest first (who, what, which record, details)."""
-    from pipeline.registry import AuditLog
 
     where = []
     if entity:
@@ -164,20 +178,20 @@ def audit_page(
     if actor:
         where.append(AuditLog.actor == actor)
     rows, older = _page(session, AuditLog, before=before, limit=limit, where=where)
-    return {
-        "entries": [
-            {
-                "id": r.id,
-                "at": r.at.isoformat(),
-                "actor": r.actor,
-                "entity": r.entity,
-                "entity_id": r.entity_id,
-                "action": r.action,
-                "details": r.details,
-                "message": r.message,
-            }
+    return AuditPage(
+        entries=[
+            AuditEntry(
+                id=r.id,
+                at=r.at.isoformat(),
+                actor=r.actor,
+                entity=r.entity,
+                entity_id=r.entity_id,
+                action=r.action,
+                details=r.details,
+                message=r.message,
+            )
             for r in rows
         ],
-        "older": older,
-        "filters": {k: v for k, v in {"entity": entity, "action": action, "actor": actor}.items() if v},
-    }
+        older=older,
+        filters={k: v for k, v in {"entity": entity, "action": action, "actor": actor}.items() if v},
+    )

@@ -15,8 +15,9 @@ shown as text (the pages escape everything).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pydantic import JsonValue
 from sqlalchemy import and_, select
 
 from pipeline.dashboard.experience import (
@@ -28,12 +29,36 @@ from pipeline.dashboard.experience import (
     final_status,
     message_text,
 )
-from pipeline.errors import NotFoundError
+from pipeline.dashboard.responses import (
+    ChampionVerdict,
+    FeedbackEntry,
+    RouteDecision,
+    ScoreChange,
+    ScoreLine,
+    TraceDetail,
+    TrainedAdapter,
+    Turn,
+    Verdict,
+)
+from pipeline.errors import NotFoundError, RatchetError
 from pipeline.experience.principals import ANONYMOUS, LOOP, OPERATOR
+from pipeline.registry import (
+    ContractVersion,
+    DatasetExample,
+    Experience,
+    Generation,
+    GenerationAdapter,
+    Score,
+    ScoreHistory,
+    TrainingDataset,
+)
 from pipeline.scoring.trace import FINAL, TOTAL
+from pipeline.serving.views import TurnMemory, TurnRecord, build_view
+from pipeline.specs.harness import HarnessSpec
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
 
 __all__ = ["trace_detail"]
 
@@ -54,22 +79,22 @@ def principal_note(principal: str | None) -> str:
     return PRINCIPAL_NOTES.get(principal, "an API key the operator granted scopes to")
 
 
-def _entries(doc: dict[str, Any], fields: list[str]) -> list[dict[str, Any]]:
+def _entries(doc: dict[str, JsonValue], fields: list[str]) -> list[FeedbackEntry]:
     """``fields`` of a feedback document, each with who gave it (``<field>_by`` when a name, else None)."""
     out = []
     for f in fields:
         by = doc.get(f"{f}_by")
-        out.append({"field": f, "value": doc[f], "by": by if isinstance(by, str) else None})
+        out.append(FeedbackEntry(field=f, value=doc[f], by=by if isinstance(by, str) else None))
     return out
 
 
-def split_feedback(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split_feedback(raw: JsonValue) -> tuple[list[FeedbackEntry], list[FeedbackEntry]]:
     """A trace's feedback as (counted, claimed) entries ``{"field", "value", "by"}``: the rating and correction
     at the top of the document, which the contract's scorers read, and everything under ``claimed`` (from
     principals without the scope to make it count), which none reads. A bare number or bool is a counted
     rating (``scorers.text.feedback_rating``); a ``claimed`` part of another shape is one entry, shown as text."""
     if isinstance(raw, bool | int | float):
-        return [{"field": "rating", "value": raw, "by": None}], []
+        return [FeedbackEntry(field="rating", value=raw, by=None)], []
     if not isinstance(raw, dict):
         return [], []
     counted = _entries(raw, [f for f in FEEDBACK_FIELDS if f in raw])
@@ -77,14 +102,14 @@ def split_feedback(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     if claimed_doc is None:
         return counted, []
     if not isinstance(claimed_doc, dict):
-        return counted, [{"field": "claimed", "value": claimed_doc, "by": None}]
+        return counted, [FeedbackEntry(field="claimed", value=claimed_doc, by=None)]
     named = [f for f in FEEDBACK_FIELDS if f in claimed_doc]
     by_fields = {f"{f}_by" for f in claimed_doc}
     rest = sorted(k for k in claimed_doc if k not in FEEDBACK_FIELDS and k not in by_fields)
     return counted, _entries(claimed_doc, named + rest)
 
 
-def _score_rows(rows: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _score_rows(rows: list[Score]) -> tuple[list[ScoreLine], Verdict]:
     """One contract version's score rows, each labelled with what it is (the final turn's, the mean over the
     turns, a scorer's) and what it says of the final turn; and that version's verdict."""
     final = next((r for r in rows if r.scorer == FINAL), None)
@@ -94,17 +119,17 @@ def _score_rows(rows: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     status = final_status(scored=final is not None, verified=final.verified if final else None, failed=failed)
     turn = details.get("turn") if isinstance(details.get("turn"), int) else None
     verified_by = details.get("verified_by") if isinstance(details.get("verified_by"), list) else []
-    verdict = {
-        "status": status,
-        "verified": status == PASSED,  # passed: the only verdict that may be learned from
-        "value": final.value if final is not None else None,
-        "failed": failed,
-        "verified_by": [str(v) for v in verified_by],
-        "turn": turn,
-        "total": total.value if total is not None else None,
+    verdict = Verdict(
+        status=status,
+        verified=status == PASSED,  # passed: the only verdict that may be learned from
+        value=final.value if final is not None else None,
+        failed=failed,
+        verified_by=[str(v) for v in verified_by],
+        turn=turn,
+        total=total.value if total is not None else None,
         # scored before ``final`` rows were recorded: ``ratchet score`` scores it again
-        "legacy": final is None and total is not None,
-    }
+        legacy=final is None and total is not None,
+    )
     out = []
     for r in sorted(rows, key=lambda r: (r.scorer != FINAL, r.scorer != TOTAL, r.scorer)):
         if r.scorer == FINAL:
@@ -123,58 +148,55 @@ def _score_rows(rows: list[Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                 if r.scorer in failed
                 else ("checked the final turn" if r.verified else "")
             )
-        out.append({"scorer": r.scorer, "value": r.value, "verified": r.verified, "details": r.details,
-                    "label": label, "check": check})  # fmt: skip
+        out.append(ScoreLine(scorer=r.scorer, value=r.value, verified=r.verified, details=r.details,
+                             label=label, check=check))  # fmt: skip
     return out, verdict
 
 
 def _views(
-    row: Any, messages: list[dict[str, Any]], routes: dict[int, dict[str, Any]], summaries: dict[str, str],
-    wanted: set[int],
-) -> dict[int, Any]:  # fmt: skip
+    row: Experience, messages: list[dict[str, JsonValue]], routes: dict[int, RouteDecision],
+    summaries: dict[str, str], wanted: set[int],
+) -> dict[int, list[dict[str, JsonValue]] | str]:  # fmt: skip
     """What the specialist of each turn in ``wanted`` was shown, rebuilt from the trace's routes and summaries
     under the harness that served it (the context policy, exemplars and ``keep_turns``; the token budget's
     trimming needs the model's tokenizer and is not redone here)."""
-    from pipeline.errors import RatchetError
-    from pipeline.serving.views import TurnMemory, TurnRecord, build_view
-    from pipeline.specs.harness import HarnessSpec
 
     if row.harness_version is None:
         return {}
     harness = HarnessSpec.model_validate(row.harness_version.spec)
     memory = TurnMemory()
-    views: dict[int, Any] = {}
+    views: dict[int, list[dict[str, JsonValue]] | str] = {}
     for i, m in enumerate(messages[: max(wanted) + 1]):
         route = routes.get(i)
         if m.get("role") != "assistant" or route is None:
             continue
         if i in wanted:
             try:
-                views[i] = build_view(messages[:i], route["specialist"], harness=harness, memory=memory,
+                views[i] = build_view(messages[:i], route.specialist, harness=harness, memory=memory,
                                       count_tokens=lambda _view: 0, max_new_tokens=0)  # fmt: skip
             except (RatchetError, TypeError, ValueError, AttributeError) as exc:  # a trace of odd shape
                 views[i] = f"cannot rebuild this view: {exc}"
-        memory.remember(m, TurnRecord(route["specialist"], summaries.get(str(i), "")))
+        memory.remember(m, TurnRecord(route.specialist, summaries.get(str(i), "")))
     return views
 
 
-def _number_or_text(value: Any) -> float | str:
+def _number_or_text(value: JsonValue) -> float | str:
     return value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
 
 
-def _routes(raw: Any) -> dict[int, dict[str, Any]]:
+def _routes(raw: JsonValue) -> dict[int, RouteDecision]:
     """The trace's route entries by turn, as the dashboard shows them (entries of another shape left out)."""
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, RouteDecision] = {}
     for r in raw if isinstance(raw, list) else []:
         turn = r.get("turn") if isinstance(r, dict) else None
         if not isinstance(turn, int) or isinstance(turn, bool):
             continue
         scores = r.get("scores") if isinstance(r.get("scores"), dict) else {}
-        out[turn] = {
-            "turn": turn,
-            "specialist": str(r.get("specialist", "")),
-            "reason": str(r.get("reason", "")),
-            "scores": {
+        out[turn] = RouteDecision(
+            turn=turn,
+            specialist=str(r.get("specialist", "")),
+            reason=str(r.get("reason", "")),
+            scores={
                 str(k): (
                     {str(a): _number_or_text(b) for a, b in v.items()}
                     if isinstance(v, dict)
@@ -182,13 +204,11 @@ def _routes(raw: Any) -> dict[int, dict[str, Any]]:
                 )
                 for k, v in scores.items()
             },
-        }
+        )
     return out
 
 
-def trace_detail(
-    *, session: Session, experience_id: int, lineage: str, turn_offset: int = 0
-) -> dict[str, Any]:
+def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_offset: int = 0) -> TraceDetail:
     """One trace turn by turn (``TURNS_PER_PAGE`` messages from ``turn_offset``): each turn's route decision
     (specialist, reason, signal scores), the view the specialist answered from (for the newest
     ``VIEWS_PER_PAGE`` served turns of the page) and its hidden summary where it was served; its principal;
@@ -197,17 +217,6 @@ def trace_detail(
     scorer's score, labelled (and replaced scores); its feedback, counted (with who gave it) and claimed; and
     the adapters it trained."""
     from sqlalchemy.orm import selectinload
-
-    from pipeline.registry import (
-        ContractVersion,
-        DatasetExample,
-        Experience,
-        Generation,
-        GenerationAdapter,
-        Score,
-        ScoreHistory,
-        TrainingDataset,
-    )
 
     row = session.scalar(
         select(Experience)
@@ -229,16 +238,16 @@ def trace_detail(
     for i in window:
         m = messages[i]
         turns.append(
-            {
-                "index": i,
-                "role": str(m.get("role", "?")),
-                "text": message_text(m) if not m.get("tool_calls") else str(m.get("content") or ""),
-                "tool_calls": m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else [],
-                "tool_call_id": m.get("tool_call_id"),
-                "route": routes.get(i),
-                "summary": summaries.get(str(i)),
-                "view": views.get(i),
-            }
+            Turn(
+                index=i,
+                role=str(m.get("role", "?")),
+                text=message_text(m) if not m.get("tool_calls") else str(m.get("content") or ""),
+                tool_calls=m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else [],
+                tool_call_id=m.get("tool_call_id"),
+                route=routes.get(i),
+                summary=summaries.get(str(i)),
+                view=views.get(i),
+            )
         )
     contracts = {
         c.id: f"{c.name} {c.version}"
@@ -248,29 +257,29 @@ def trace_detail(
             )
         )
     }
-    by_contract: dict[int, list[Any]] = {}
+    by_contract: dict[int, list[Score]] = {}
     for sc in session.scalars(select(Score).where(Score.experience_id == row.id).order_by(Score.scorer)):
         by_contract.setdefault(sc.contract_version_id, []).append(sc)
-    scores: dict[str, list[dict[str, Any]]] = {}
-    verdicts: dict[int, dict[str, Any]] = {}
+    scores: dict[str, list[ScoreLine]] = {}
+    verdicts: dict[int, Verdict] = {}
     for contract_id, rows in by_contract.items():
         scores[contracts.get(contract_id, str(contract_id))], verdicts[contract_id] = _score_rows(rows)
     champion_id = champion_contract(session, lineage)
-    unscored = {"status": NOT_SCORED, "verified": False, "value": None, "failed": [], "verified_by": [],
-                "turn": None, "total": None, "legacy": False}  # fmt: skip
-    verdict = {
-        **verdicts.get(champion_id, unscored),  # type: ignore[arg-type]
-        "contract": None if champion_id is None else contracts.get(champion_id) or _contract_label(session, champion_id),
-    }  # fmt: skip
+    unscored = Verdict(status=NOT_SCORED, verified=False, value=None, failed=[], verified_by=[], turn=None,
+                       total=None, legacy=False)  # fmt: skip
+    verdict = ChampionVerdict(
+        **verdicts.get(champion_id, unscored).model_dump(),  # type: ignore[arg-type]
+        contract=None if champion_id is None else contracts.get(champion_id) or _contract_label(session, champion_id),
+    )  # fmt: skip
     counted_feedback, claimed_feedback = split_feedback(row.feedback)
     history = [
-        {
-            "scorer": h.scorer,
-            "value": h.value,
-            "verified": h.verified,
-            "reason": h.reason,
-            "superseded_at": h.superseded_at.isoformat(),
-        }  # fmt: skip
+        ScoreChange(
+            scorer=h.scorer,
+            value=h.value,
+            verified=h.verified,
+            reason=h.reason,
+            superseded_at=h.superseded_at.isoformat(),
+        )  # fmt: skip
         for h in session.scalars(
             select(ScoreHistory).where(ScoreHistory.experience_id == row.id).order_by(ScoreHistory.id)
         )
@@ -293,48 +302,42 @@ def trace_detail(
         .order_by(Generation.number)
     ).all()
     generation = session.get(Generation, row.generation_id) if row.generation_id else None
-    return {
-        "id": row.id,
-        "lineage": lineage,
-        "source": row.source,
-        "specialist": row.specialist,
-        "generation": generation.number if generation else None,
-        "generation_lineage": generation.lineage if generation else None,
-        "harness": (
-            f"{row.harness_version.name} {row.harness_version.version}" if row.harness_version else None
-        ),
-        "created_at": row.created_at.isoformat(),
-        "completion_id": row.completion_id,
-        "principal": row.principal,  # None: served before principals were recorded
-        "principal_note": principal_note(row.principal),
-        "turns": turns,
-        "turn_count": len(messages),
-        "turn_offset": window.start,
-        "next_turns": window.stop if window.stop < len(messages) else None,
-        "previous_turns": max(0, window.start - TURNS_PER_PAGE) if window.start > 0 else None,
-        "metadata": meta,
-        "claimed_metadata": claimed_metadata,  # what the client sent without `certify`: never scored
-        "feedback": row.feedback,
-        "counted_feedback": counted_feedback,
-        "claimed_feedback": claimed_feedback,
-        "verdict": verdict,
-        "finals": {contracts.get(i, str(i)): v for i, v in verdicts.items()},
-        "scores": scores,
-        "score_history": history,
-        "trained": [
-            {
-                "lineage": t.lineage,
-                "generation": t.number,
-                "specialist": t.specialist,
-                "adapter_id": t.adapter_id,
-            }
+    return TraceDetail(
+        id=row.id,
+        lineage=lineage,
+        source=row.source,
+        specialist=row.specialist,
+        generation=generation.number if generation else None,
+        generation_lineage=generation.lineage if generation else None,
+        harness=f"{row.harness_version.name} {row.harness_version.version}" if row.harness_version else None,
+        created_at=row.created_at.isoformat(),
+        completion_id=row.completion_id,
+        principal=row.principal,  # None: served before principals were recorded
+        principal_note=principal_note(row.principal),
+        turns=turns,
+        turn_count=len(messages),
+        turn_offset=window.start,
+        next_turns=window.stop if window.stop < len(messages) else None,
+        previous_turns=max(0, window.start - TURNS_PER_PAGE) if window.start > 0 else None,
+        metadata=meta,
+        claimed_metadata=claimed_metadata,  # what the client sent without `certify`: never scored
+        feedback=row.feedback,
+        counted_feedback=counted_feedback,
+        claimed_feedback=claimed_feedback,
+        verdict=verdict,
+        finals={contracts.get(i, str(i)): v for i, v in verdicts.items()},
+        scores=scores,
+        score_history=history,
+        trained=[
+            TrainedAdapter(
+                lineage=t.lineage, generation=t.number, specialist=t.specialist, adapter_id=t.adapter_id
+            )
             for t in trained
         ],
-    }
+    )
 
 
 def _contract_label(session: Session, contract_id: int) -> str | None:
-    from pipeline.registry import ContractVersion
 
     c = session.get(ContractVersion, contract_id)
     return f"{c.name} {c.version}" if c else None

@@ -12,31 +12,70 @@ No ``from __future__ import annotations`` here: FastAPI reads the handlers' anno
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from pydantic import BaseModel
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from pipeline.dashboard import charts, comparison, experience, provenance, records, trace
+from pipeline.dashboard import (
+    charts,
+    comparison,
+    experience,
+    overview,
+    provenance,
+    records,
+    reference,
+    trace,
+)
 from pipeline.dashboard import lineage as lineage_data
 from pipeline.dashboard.actions import action_routes
-from pipeline.dashboard.security import COOKIE, HEADERS, MAX_ID, Access, ForbiddenError, Id, artifact_file
+from pipeline.dashboard.evidence import GenerationDetail, Trends
+from pipeline.dashboard.responses import (
+    AdapterDetail,
+    ArtifactDirectory,
+    ArtifactEntry,
+    AuditPage,
+    ExperiencePage,
+    HeldOutItem,
+    ItemComparison,
+    QuarantinePage,
+    TraceDetail,
+    VersionDetail,
+    VersionDiff,
+    VersionList,
+)
+from pipeline.dashboard.security import (
+    COOKIE,
+    HEADERS,
+    MAX_BYTES,
+    MAX_ID,
+    TEXT_SUFFIXES,
+    Access,
+    ForbiddenError,
+    Id,
+    artifact_file,
+)
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
-from pipeline.settings import Settings
+from pipeline.registry import get_engine
+from pipeline.registry.summaries import LineageSummary
+from pipeline.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 
 __all__ = ["create_app"]
 
+View = TypeVar("View", bound=Callable[..., object])
 
-def _number(value: Any) -> bool:
+
+def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -70,8 +109,6 @@ def create_app(
     is not in ``allowed_hosts`` are refused (400), so a web page cannot read the dashboard through DNS
     rebinding. ``trusted_proxies``: peers whose ``X-Forwarded-For`` names the client (wrong admin tokens are
     throttled per client)."""
-    from pipeline.registry import get_engine
-    from pipeline.settings import get_settings
 
     settings = settings or get_settings()
     engine = get_engine(settings.registry_url)
@@ -92,7 +129,7 @@ def create_app(
     app.state.access, app.state.settings, app.state.lineage = access, settings, lineage_name
     with factory() as session:  # the lineage's summaries parsed now, not on the first page view
         try:
-            lineage_data.lineage_overview(session=session, lineage=lineage_name)
+            overview.lineage_summary(session=session, lineage=lineage_name)
         except NotFoundError:
             pass
 
@@ -107,7 +144,7 @@ def create_app(
     DB = Annotated[Session, Depends(db)]
     Lineage = Annotated[str, Query(max_length=100, description="Lineage name.")]
 
-    def context(request: Request) -> dict[str, Any]:
+    def context(request: Request) -> dict[str, object]:
         cookie = request.cookies.get(COOKIE)
         return {
             "request": request,
@@ -119,58 +156,66 @@ def create_app(
             "default_lineage": lineage_name,
         }
 
-    def render(request: Request, template: str, data: Any, status: int = 200, **extra: Any) -> HTMLResponse:
-        html = env.get_template(template).render(**context(request), data=data, **extra)
+    def render(
+        request: Request,
+        template: str,
+        data: BaseModel | Mapping[str, object],
+        status: int = 200,
+        **extra: str,
+    ) -> HTMLResponse:
+        """``template`` over ``data``: a response model is rendered as the JSON API returns it (its dump)."""
+        doc = data.model_dump() if isinstance(data, BaseModel) else data
+        html = env.get_template(template).render(**context(request), data=doc, **extra)
         return HTMLResponse(html, status_code=status)
 
-    def both(path: str, template: str, *, charts_for: Callable[[Any], dict[str, Any]] | None = None):
-        """Serve ``fn`` at ``/api{path}`` as JSON and at ``path`` as the rendered ``template``."""
+    def both(path: str, template: str, *, charts_for: Callable[..., dict[str, str]] | None = None):
+        """Serve ``fn`` at ``/api{path}`` as JSON (its return annotation, a response model, is the route's
+        ``response_model``) and at ``path`` as the rendered ``template``."""
 
-        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def register(fn: View) -> View:
             app.get("/api" + (path if path != "/" else "/lineage"), tags=["read"], summary=fn.__doc__)(fn)
 
             @functools.wraps(fn)
-            def page(request: Request, **kwargs: Any) -> HTMLResponse:
+            def page(request: Request, **kwargs: object) -> HTMLResponse:
                 data = fn(**kwargs)
-                return render(request, template, data, **(charts_for(data) if charts_for else {}))
+                return render(request, template, data, **(charts_for(data) if charts_for else {}))  # type: ignore[arg-type]
 
             sig = inspect.signature(fn)
             request_param = inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request)
             params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values()]
-            page.__signature__ = sig.replace(parameters=[request_param, *params])
+            page.__signature__ = sig.replace(  # type: ignore[attr-defined]
+                parameters=[request_param, *params], return_annotation=HTMLResponse
+            )
             app.get(path, response_class=HTMLResponse, include_in_schema=False)(page)
             return fn
 
         return register
 
-    def lineage_charts(data: dict[str, Any]) -> dict[str, Any]:
-        matrix = data["matrix"]
+    def lineage_charts(data: LineageSummary) -> dict[str, str]:
         return {
-            "tree": charts.lineage_svg(data["generations"]),
-            "matrix_chart": charts.matrix_svg(matrix["suites"], matrix["rows"]),
+            "tree": charts.lineage_svg([g.model_dump() for g in data.generations]),
+            "matrix_chart": charts.matrix_svg(data.matrix.suites, [r.model_dump() for r in data.matrix.rows]),
         }
 
     @both("/", "lineage.html", charts_for=lineage_charts)
-    def lineage_view(db: DB, lineage: Lineage = lineage_name) -> dict[str, Any]:
-        """The lineage: every generation with its status, overall held-out score and method."""
-        return {
-            **lineage_data.lineage_overview(session=db, lineage=lineage),
-            "lineages": lineage_data.lineage_names(session=db),
-        }
+    def lineage_view(db: DB, lineage: Lineage = lineage_name) -> LineageSummary:
+        """The lineage: every generation with its status, overall held-out score and method (the route's
+        response model is ``LineageSummary``: what ``ratchet lineage --json`` prints too)."""
+        return overview.lineage_summary(session=db, lineage=lineage)
 
-    def generation_charts(data: dict[str, Any]) -> dict[str, Any]:
+    def generation_charts(data: GenerationDetail) -> dict[str, str]:
         def curves(rl: bool) -> list[charts.Series]:
             return [
                 charts.Series(
-                    f"{a['specialist']} v{a['version']} ({a['method']})",
-                    [charts.LinePoint(s, v) for s, v in a["loss_curve"]],
+                    f"{a.specialist} v{a.version} ({a.method})",
+                    [charts.LinePoint(s, v) for s, v in a.loss_curve],  # type: ignore[union-attr,misc]
                 )
-                for a in data["adapters"]
-                if a["new"] and a["loss_curve"] and (a["method"] == "grpo") == rl
+                for a in data.adapters
+                if a.new and a.loss_curve and (a.method == "grpo") == rl
             ]
 
         loss, reward = curves(False), curves(True)
-        router = data.get("router") or {}
+        router = data.router.confusion if data.router else None
         return {
             "loss_chart": charts.line_chart_svg(loss, title="training loss", x_label="step", y_label="loss")
             if loss
@@ -183,14 +228,16 @@ def create_app(
             )
             if reward
             else "",
-            "confusion": charts.confusion_svg(router.get("confusion") or {}),
+            "confusion": charts.confusion_svg(router or {}),
         }
 
     @both("/generations/{number}", "generation.html", charts_for=generation_charts)
-    def generation_view(db: DB, number: Id, lineage: Lineage = lineage_name) -> dict[str, Any]:
+    def generation_view(db: DB, number: Id, lineage: Lineage = lineage_name) -> GenerationDetail:
         """One generation: versions, adapters, loss curves, held-out scores vs its parent, the verdict."""
-        return lineage_data.generation_detail(
-            session=db, lineage=lineage, number=number, tracking_uri=settings.mlflow_tracking_uri
+        return GenerationDetail.model_validate(
+            lineage_data.generation_detail(
+                session=db, lineage=lineage, number=number, tracking_uri=settings.mlflow_tracking_uri
+            )
         )
 
     @both("/generations/{number}/items", "items.html")
@@ -201,7 +248,7 @@ def create_app(
         specialist: Annotated[str | None, Query(max_length=100)] = None,
         change: Annotated[str | None, Query(max_length=20)] = None,
         offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-    ) -> dict[str, Any]:
+    ) -> ItemComparison:
         """The generation against its parent item by item on the held-out suites."""
         if change and change not in comparison.CHANGES:
             raise RatchetError(f"unknown change {change!r}: expected one of {', '.join(comparison.CHANGES)}")
@@ -213,47 +260,47 @@ def create_app(
     @both("/generations/{number}/items/{specialist}/{position}", "item.html")
     def item_view(
         db: DB, number: Id, specialist: str, position: Id, lineage: Lineage = lineage_name
-    ) -> dict[str, Any]:
+    ) -> HeldOutItem:
         """One held-out item: the parent's and the candidate's answers side by side."""
         return comparison.held_out_item(
             session=db, lineage=lineage, number=number, specialist=specialist, position=position
         )
 
-    def trend_charts(data: dict[str, Any]) -> dict[str, Any]:
+    def trend_charts(data: Trends) -> dict[str, str]:
         series = [
             charts.Series(
                 s,
                 [
                     charts.LinePoint(
-                        p["generation"],
-                        p["score"],
-                        p["low"],
-                        p["high"],
-                        f"{s} gen {p['generation']} ({p['status']}): {p['score']:.3f}",
-                    )  # fmt: skip
+                        p.generation,
+                        p.score,
+                        p.low,
+                        p.high,
+                        f"{s} gen {p.generation} ({p.status}): {p.score:.3f}",
+                    )
                     for p in points
                 ],
             )
-            for s, points in sorted(data["scores"].items())
+            for s, points in sorted(data.scores.items())
         ] + [  # retention suites beside the held-out ones (pipeline.gates.retention)
             charts.Series(
                 f"retention: {name}",
                 [
                     charts.LinePoint(
-                        p["generation"],
-                        p["score"],
-                        p["low"],
-                        p["high"],
-                        f"retention {name} gen {p['generation']} ({p['status']}): {p['score']:.3f}",
+                        p.generation,
+                        p.score,
+                        p.low,
+                        p.high,
+                        f"retention {name} gen {p.generation} ({p.status}): {p.score:.3f}",
                     )
                     for p in points
                 ],
             )  # fmt: skip
-            for name, points in sorted((data.get("retention") or {}).items())
+            for name, points in sorted(data.retention.items())
         ]
         router = [
             charts.Series(
-                "router accuracy", [charts.LinePoint(p["generation"], p["accuracy"]) for p in data["router"]]
+                "router accuracy", [charts.LinePoint(p.generation, p.accuracy) for p in data.router]
             )
         ]
         return {
@@ -274,9 +321,9 @@ def create_app(
         }
 
     @both("/trends", "trends.html", charts_for=trend_charts)
-    def trends_view(db: DB, lineage: Lineage = lineage_name) -> dict[str, Any]:
+    def trends_view(db: DB, lineage: Lineage = lineage_name) -> Trends:
         """Held-out score per specialist over generations, and router accuracy."""
-        return lineage_data.trends(session=db, lineage=lineage)
+        return Trends.model_validate(lineage_data.trends(session=db, lineage=lineage))
 
     @both("/adapters/{adapter_id}", "adapter.html")
     def adapter_view(
@@ -284,15 +331,14 @@ def create_app(
         adapter_id: Id,
         before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
         lineage: Lineage = lineage_name,
-    ) -> dict[str, Any]:
+    ) -> AdapterDetail:
         """An adapter's provenance: its dataset and the traces in it, its parent, where it is used."""
-        data = provenance.adapter_detail(session=db, adapter_id=adapter_id, before=before)
-        data["artifact_path"] = _inside(artifacts, data.pop("artifact_uri"))
-        data["dataset_path"] = _inside(artifacts, (data.get("dataset") or {}).pop("path", None))
-        return {**data, "lineage": lineage}
+        return provenance.adapter_detail(
+            session=db, adapter_id=adapter_id, artifacts=artifacts, lineage=lineage, before=before
+        )
 
     @both("/experience", "experience.html")
-    def experience_view(db: DB, query: Annotated[experience.ExperienceQuery, Query()]) -> dict[str, Any]:
+    def experience_view(db: DB, query: Annotated[experience.ExperienceQuery, Query()]) -> ExperiencePage:
         """Traces, newest first, filtered; keyset pages (``older``/``newer`` are the next cursors)."""
         return experience.list_experience(session=db, lineage=query.lineage or lineage_name, query=query)
 
@@ -302,7 +348,7 @@ def create_app(
         experience_id: Id,
         lineage: Lineage = lineage_name,
         turns_from: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-    ) -> dict[str, Any]:
+    ) -> TraceDetail:
         """One trace turn by turn, with routes, views, summaries, its principal and what its client claimed, its
         final turn's verdict beside every score, feedback (counted and claimed) and what it trained."""
         return trace.trace_detail(
@@ -318,7 +364,7 @@ def create_app(
         before: Annotated[int | None, Query(ge=1, le=MAX_ID)] = None,
         source_file: Annotated[str | None, Query(max_length=1000)] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    ) -> dict[str, Any]:
+    ) -> QuarantinePage:
         """Refused input lines, newest first."""
         return records.quarantine_page(
             session=db, before=before, limit=limit, source_file=source_file or None
@@ -332,7 +378,7 @@ def create_app(
         action: Annotated[str | None, Query(max_length=50)] = None,
         actor: Annotated[str | None, Query(max_length=100)] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    ) -> dict[str, Any]:
+    ) -> AuditPage:
         """Every state change, newest first."""
         return records.audit_page(
             session=db,
@@ -343,24 +389,38 @@ def create_app(
             actor=actor or None,
         )
 
-    @app.get("/api/artifacts/{path:path}", tags=["read"])
-    def artifact_api(path: str) -> Response:
+    @app.get(
+        "/api/artifacts/{path:path}",
+        tags=["read"],
+        response_model=ArtifactDirectory,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                         "description": "A directory's entries as JSON, or a text file as text/plain."}},
+    )  # fmt: skip
+    def artifact_api(path: str) -> ArtifactDirectory | Response:
         """A file of the artifact store as text, or a directory's entries (nothing outside the store)."""
         target = artifact_file(artifacts, path)
         if target.is_dir():
-            return JSONResponse({"path": path, "entries": _entries(artifacts, target)})
+            return ArtifactDirectory(path=path, entries=_entries(artifacts, target))
         return _file_response(target)
 
     @app.get("/artifacts/{path:path}", response_class=HTMLResponse, include_in_schema=False)
     def artifact_page(request: Request, path: str) -> Response:
         target = artifact_file(artifacts, path)
         if target.is_dir():
-            return render(request, "artifacts.html", {"path": path, "entries": _entries(artifacts, target)})
+            return render(
+                request, "artifacts.html", ArtifactDirectory(path=path, entries=_entries(artifacts, target))
+            )
         return _file_response(target)
 
     @app.get("/api/docs", response_class=HTMLResponse, include_in_schema=False)
     def api_docs(request: Request) -> HTMLResponse:
-        return render(request, "apidocs.html", app.openapi())
+        spec = app.openapi()
+        returns = {
+            f"{m} {p}": reference.returns(op) for p, ops in spec["paths"].items() for m, op in ops.items()
+        }
+        return render(
+            request, "apidocs.html", {"spec": spec, "returns": returns, "models": reference.models(spec)}
+        )
 
     action_routes(
         app, factory=factory, access=access, settings=settings, render=render, lineage_name=lineage_name
@@ -371,7 +431,7 @@ def create_app(
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
 
     @app.middleware("http")
-    async def headers(request: Request, call_next: Callable[..., Any]) -> Response:
+    async def headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         response = await call_next(request)
         for key, value in HEADERS.items():
             response.headers.setdefault(key, value)
@@ -380,19 +440,19 @@ def create_app(
     return app
 
 
-def _version_routes(both: Callable[..., Any], kind: str, DB: Any) -> None:
+def _version_routes(both: Callable[..., Callable[[View], View]], kind: records.Kind, DB: object) -> None:
     @both(f"/{kind}", "versions.html")
-    def versions(db: DB) -> dict[str, Any]:  # type: ignore[valid-type]
-        return {"kind": kind, "versions": records.list_versions(session=db, kind=kind)}
+    def versions(db: DB) -> VersionList:  # type: ignore[valid-type]
+        return records.list_versions(session=db, kind=kind)
 
     @both(f"/{kind}/diff", "diff.html")
     def diff(
         db: DB, a: Annotated[int, Query(ge=1, le=MAX_ID)], b: Annotated[int, Query(ge=1, le=MAX_ID)]
-    ) -> dict[str, Any]:  # type: ignore[valid-type]
+    ) -> VersionDiff:  # type: ignore[valid-type]
         return records.diff_versions(session=db, kind=kind, a=a, b=b)
 
     @both(f"/{kind}/{{version_id}}", "version.html")
-    def version(db: DB, version_id: Id) -> dict[str, Any]:  # type: ignore[valid-type]
+    def version(db: DB, version_id: Id) -> VersionDetail:  # type: ignore[valid-type]
         return records.version_detail(session=db, kind=kind, version_id=version_id)
 
     versions.__doc__ = f"Every {kind[:-1]} version."
@@ -400,17 +460,7 @@ def _version_routes(both: Callable[..., Any], kind: str, DB: Any) -> None:
     version.__doc__ = f"One {kind[:-1]} version as YAML, and the generations that use it."
 
 
-def _inside(root: Path, path: str | None) -> str | None:
-    """``path`` relative to the artifact store (for links), or None when it lies elsewhere."""
-    if not path:
-        return None
-    try:
-        return Path(path).resolve().relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return None
-
-
-def _entries(root: Path, directory: Path) -> list[dict[str, Any]]:
+def _entries(root: Path, directory: Path) -> list[ArtifactEntry]:
     base = root.resolve()
     out = []
     for child in sorted(directory.iterdir())[:500]:
@@ -418,18 +468,17 @@ def _entries(root: Path, directory: Path) -> list[dict[str, Any]]:
         if not resolved.is_relative_to(base):
             continue  # a link that leads out of the store is not shown
         out.append(
-            {
-                "name": child.name,
-                "path": resolved.relative_to(base).as_posix(),
-                "dir": resolved.is_dir(),
-                "size": None if resolved.is_dir() else resolved.stat().st_size,
-            }
+            ArtifactEntry(
+                name=child.name,
+                path=resolved.relative_to(base).as_posix(),
+                dir=resolved.is_dir(),
+                size=None if resolved.is_dir() else resolved.stat().st_size,
+            )
         )
     return out
 
 
 def _file_response(target: Path) -> Response:
-    from pipeline.dashboard.security import MAX_BYTES, TEXT_SUFFIXES
 
     if target.suffix.lower() not in TEXT_SUFFIXES:
         raise RatchetError(

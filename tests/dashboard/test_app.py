@@ -669,9 +669,11 @@ def test_hostile_principals_claims_and_drops_render_as_text(acting_home):
         ids = list(s.scalars(select(Experience.id).where(Experience.content_hash.like("claims-%"))))
         gen = s.scalar(select(Generation).where(Generation.number == 1))
         state = json.loads(json.dumps(gen.state))
-        state["steps"]["curate"]["dropped_by_principal"] = {
-            "<b>mallory</b>": {"<i>why</i>": 3, "over cap": "<b>n</b>"},
-            "<i>eve</i>": "<i>not a dict</i>",
+        state["steps"]["curate"][
+            "dropped_by_principal"
+        ] = {  # counts by principal and reason: only names are text
+            "<b>mallory</b>": {"<i>why</i>": 3, "over cap": 1},
+            "<i>eve</i>": {"<b>n</b>": 2},
         }
         gen.state = state
     dispose_engines()

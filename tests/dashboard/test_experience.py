@@ -9,9 +9,8 @@ import json
 import pytest
 from sqlalchemy.orm import Session
 
-from pipeline.dashboard import experience
-from pipeline.dashboard.experience import ExperienceQuery, failed_checks, final_status, list_experience
-from pipeline.dashboard.trace import split_feedback
+from pipeline.dashboard import experience, trace
+from pipeline.dashboard.experience import ExperienceQuery, failed_checks, final_status
 from pipeline.registry import (
     ScoreRow,
     TraceRow,
@@ -22,6 +21,18 @@ from pipeline.registry import (
     register_contract,
     register_harness,
 )
+
+
+def list_experience(**kwargs) -> dict:
+    """One page as the API returns it (its response model, dumped): the assertions read it by key."""
+    return experience.list_experience(**kwargs).model_dump()
+
+
+def split_feedback(raw) -> tuple[list[dict], list[dict]]:
+    """The (counted, claimed) feedback entries, dumped."""
+    counted, claimed = trace.split_feedback(raw)
+    return [e.model_dump() for e in counted], [e.model_dump() for e in claimed]
+
 
 N = 1500
 SPECIALISTS = ("chat", "agent", "coding")

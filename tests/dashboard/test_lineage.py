@@ -43,6 +43,6 @@ def test_held_out_answers_are_read_only_by_evaluation_and_the_dashboard():
     assert readers == {
         "registry/models.py",
         "registry/__init__.py",
-        "evaluation.py",
+        "loop/evaluation.py",
         "dashboard/comparison.py",
     }
