@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RatchetError
+from pipeline.knobs import described
+from pipeline.registry.tracking import is_remote
+from pipeline.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +36,23 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 @dataclass(frozen=True)
 class StackConfig:
-    """What ``ratchet up`` starts and where (its signature is what the command exposes)."""
+    """What ``ratchet up`` starts and where: each field is an option of the command (``pipeline.cli.options``),
+    its description the help, its default the default."""
 
-    host: str = "127.0.0.1"  # every part listens here: loopback unless asked otherwise
-    prefect_port: int = 4200
-    mlflow_port: int = 5000
-    dashboard_port: int = 8100
-    serve_port: int = 8000
-    lineage: str = "main"
-    gpu_slots: int = 1  # slots of the global concurrency limit `ratchet-gpu`
-    startup_timeout_s: float = (
-        180.0  # per part; a first Prefect start migrates its database (slow on 2 cores)
+    host: str = described("127.0.0.1", "Interface every part listens on.")
+    prefect_port: int = described(4200, "Prefect server (API and UI).", ge=1, le=65535)
+    mlflow_port: int = described(5000, "MLflow UI.", ge=1, le=65535)
+    dashboard_port: int = described(8100, "`ratchet dashboard`.", ge=1, le=65535)
+    serve_port: int = described(8000, "`ratchet serve` (OpenAI-compatible API).", ge=1, le=65535)
+    lineage: str = described("main", "Lineage the dashboard shows and the server serves.")
+    gpu_slots: int = described(
+        1, "Slots of the global concurrency limit `ratchet-gpu`: GPU steps at once.", ge=1
     )
-    stop_timeout_s: float = 20.0  # SIGTERM's grace before SIGKILL
+    # a first Prefect start migrates its database (slow on 2 cores)
+    startup_timeout_s: float = described(
+        180.0, "Seconds each part may take to answer its health check.", ge=1
+    )
+    stop_timeout_s: float = described(20.0, "Seconds a part has to stop after SIGTERM before SIGKILL.", ge=0)
 
 
 class StackError(RatchetError):
@@ -154,8 +161,6 @@ def worker_part(*, pool: str, api_url: str, log: Path) -> Part:
 
 def stack_parts(config: StackConfig) -> tuple[Part, list[Part], list[Part]]:
     """The Prefect server, its workers (started once it answers), and the rest (started with it)."""
-    from pipeline.registry.tracking import is_remote
-    from pipeline.settings import get_settings
 
     settings = get_settings()
     home = settings.ensure_home().resolve()
@@ -285,7 +290,7 @@ def wait_until_ready(
 def run_stack(config: StackConfig, echo: Callable[[str], None]) -> None:
     """Start the stack, print its addresses, run until SIGINT/SIGTERM, stop it all; ``StackError`` when a
     part fails (after the rest was stopped)."""
-    from flows import GPU_LIMIT, ensure_gpu_limit
+    from flows import GPU_LIMIT, ensure_gpu_limit  # lazy: imports prefect
 
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -8,78 +8,139 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.knobs import described
+from pipeline.modeling.placement import placement, tokenizer_dir
+from pipeline.registry import get_champion, get_generation, session_scope
+from pipeline.registry.documents import state_of
+from pipeline.serving.adapters import AdapterSource
+from pipeline.serving.engines import EmbeddedEngine, ExternalEngine
+from pipeline.serving.router import TokenClassifier
+from pipeline.serving.runtime import load_runtime
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.modelspec import ModelSpec
 
 if TYPE_CHECKING:  # imported where used: the CLI reads ServeConfig without loading the harness or torch
-    from pipeline.serving.adapters import AdapterSource
+    from pipeline.registry.documents import GenerationState
     from pipeline.serving.engines import Engine
-    from pipeline.serving.router import TokenClassifier
     from pipeline.serving.scheduler import MicroBatchScheduler
-    from pipeline.specs.harness import HarnessSpec
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ServeConfig:
-    """How ``ratchet serve`` runs (CLI options map one to one; their defaults are these)."""
+    """How ``ratchet serve`` runs. Each field's description and default are its option's help and default
+    (``pipeline.cli.options``); ``SETTINGS_FIELDS`` come from ``pipeline.settings`` (environment), not options."""
 
-    registry_url: str | None = None
-    lineage: str = "main"
-    generation: str = "champion"  # "champion" (follows promotions) or a generation number
-    engine: Literal["embedded", "external"] = "embedded"
-    engine_url: str | None = None
-    engine_api_key: str | None = None
-    engine_model_template: str = "{specialist}"  # external engine's model name for an adapter
-    max_batch_size: int = 32
-    max_wait_ms: float = 5.0
-    poll_seconds: float = 5.0  # 0: only POST /admin/reload switches generations
-    api_key: str | None = None
-    # Serve requests without a key (`anonymous`, chat scope only) even when keys exist; with no key at all
-    # anonymous requests are served anyway (on loopback: the CLI refuses another host without a key).
-    allow_anonymous: bool = False
-    device: str = "auto"
-    model_name: str = "ratchet"
-    flush_seconds: float = 0.5
-    summary_tokens: int = 24
-    threads: int = 0  # torch intra-op threads for the embedded engine; 0: torch's default
+    registry_url: str | None = described(None, "Registry database URL (RATCHET_DATABASE_URL).")
+    lineage: str = described("main", "Lineage whose generation is served.")
+    generation: str = described("champion", "`champion` (follows promotions live) or a generation number.")
+    engine: Literal["embedded", "external"] = described(
+        "embedded", "`embedded` (transformers + peft in this process) or `external`."
+    )
+    engine_url: str | None = described(None, "External OpenAI-compatible multi-LoRA server (vLLM, SGLang).")
+    engine_api_key: str | None = described(
+        None, "Key the external engine is called with (RATCHET_ENGINE_API_KEY)."
+    )
+    engine_model_template: str = described(
+        "{specialist}",
+        "Model name per adapter on the external engine (and of --expose-adapters); fields {specialist} "
+        "{generation}. With {generation}, a new champion's adapters are loaded into the engine "
+        "(/v1/load_lora_adapter) before turns go to them.",
+    )
+    max_batch_size: int = described(32, "Rows per mixed-adapter batch.", ge=1)
+    max_wait_ms: float = described(5.0, "How long a batch waits to fill.", ge=0)
+    poll_seconds: float = described(
+        5.0, "Registry poll for a new champion; 0: only POST /admin/reload.", ge=0
+    )
+    api_key: str | None = described(None, "The operator's API key (RATCHET_API_KEY).")
+    allow_anonymous: bool = described(
+        False,
+        "Serve requests without a key (as `anonymous`, chat scope only) even when keys exist. Without any "
+        "key they are served anyway, on loopback only (the CLI refuses another host without a key).",
+    )
+    device: str = described("auto", "Torch device of the embedded engine (RATCHET_DEVICE).")
+    model_name: str = described("ratchet", "The model name clients ask for (the routed pair).")
+    flush_seconds: float = described(
+        0.5, "Served turns are written to the registry in batches this often.", ge=0
+    )
+    summary_tokens: int = described(
+        24, "Longest model-written summary of a reply (kept for later views).", ge=1
+    )
+    threads: int = described(
+        0, "Torch CPU threads; 0: torch's default. A tiny model is fastest with 1.", ge=0
+    )
     # Request limits. A body is counted while it is read: a larger one is refused (413) before it is
     # buffered. 4 MiB holds a 128k-token conversation of ordinary text with room for tools.
-    max_body_bytes: int = 4 << 20
-    # Chat requests admitted at once (waiting for a batch or decoding); one more gets 429 with Retry-After
-    # (503 while the server is stopping or loading a new generation). 0: no limit.
-    max_queue: int = 256
-    request_timeout_s: float = 300.0  # a turn still decoding after this is stopped (504); 0: none
-    max_lora_rank: int = 64  # adapters of a higher rank are refused when loaded
-    # Adapters kept attached at once (least recently used evicted, attached again on demand); 0: all.
-    max_loaded_adapters: int = 0
-    # Directories besides the artifact store that --expose-adapters' /v1/load_lora_adapter loads from
-    # (any other path is refused, 400).
-    adapter_roots: tuple[str, ...] = ()
-    # Slow and hostile clients (issue 22); 0 turns each off. A request's headers must arrive within
-    # header_timeout_s of the connection (or of the previous answer on a kept-alive one), its body within
-    # body_timeout_s in all and with no gap of body_idle_s: else 408 and the connection is closed. Chat
-    # turns are admitted only once their body is in, so a slow client holds no turn's place.
-    header_timeout_s: float = 20.0
-    body_timeout_s: float = 60.0
-    body_idle_s: float = 15.0
-    # Open connections of one client address (one more: 429 and closed; behind a reverse proxy every client
-    # shares its address) and requests in flight per API key (one more: 429 before its body is read).
-    max_connections_per_client: int = 1024
-    max_requests_per_key: int = 256
-    # POST /v1/feedback at once (each holds a body and may score its turn again; one more: 429), and how
-    # long re-scoring one turn may take: a scoring still running then is stored as not verified.
-    max_feedback: int = 8
-    rescore_timeout_s: float = 10.0
-    # Served turns not in the registry yet (a registry outage or lock) are kept in the write-ahead spool
-    # (``pipeline.serving.spool``, and in memory) up to this many bytes; past it new chat turns get 503
-    # with Retry-After instead of being answered and lost. 0: no limit.
-    spool_max_bytes: int = 64 << 20
-    spool_dir: str | None = None  # None: <home>/spool/<registry key>
-    # False: turns wait for the registry in memory only (a crash or a kill loses them); benchmarks compare.
-    spool: bool = True
+    max_body_bytes: int = described(
+        4 << 20, "Largest request body; a larger one gets 413 while it is read. 0: none.", ge=0
+    )
+    max_queue: int = described(
+        256,
+        "Chat requests in flight at once (waiting for a batch or decoding); one more gets 429 with "
+        "Retry-After (503 while the server stops or loads a generation). 0: none.",
+        ge=0,
+    )
+    request_timeout_s: float = described(
+        300.0, "A turn still decoding after this many seconds is stopped (504). 0: none.", ge=0
+    )
+    max_lora_rank: int = described(64, "Adapters of a higher rank are refused at load.", ge=1)
+    max_loaded_adapters: int = described(
+        0, "Adapters attached at once; the others are attached on demand (LRU). 0: all.", ge=0
+    )
+    adapter_roots: tuple[str, ...] = described(
+        (),
+        "Directory besides the artifact store that /v1/load_lora_adapter may load adapters from "
+        "(--expose-adapters; repeatable). Any other path is refused.",
+    )
+    # Slow and hostile clients (issue 22); 0 turns each off. Chat turns are admitted only once their body
+    # is in, so a slow client holds no turn's place.
+    header_timeout_s: float = described(
+        20.0,
+        "A request's headers must arrive within this many seconds of the connection (or of the previous "
+        "answer); else the connection is closed (408). 0: none.",
+        ge=0,
+    )
+    body_timeout_s: float = described(
+        60.0, "A request body must arrive within this many seconds (else 408). 0: none.", ge=0
+    )
+    body_idle_s: float = described(
+        15.0, "Longest gap without a byte of a request body (else 408). 0: none.", ge=0
+    )
+    max_connections_per_client: int = described(
+        1024,
+        "Open connections from one client address; one more is answered 429 and closed (behind a reverse "
+        "proxy every client shares its address). 0: none.",
+        ge=0,
+    )
+    max_requests_per_key: int = described(
+        256, "Requests in flight per API key; one more gets 429. 0: none.", ge=0
+    )
+    max_feedback: int = described(8, "POST /v1/feedback requests at once; one more gets 429. 0: none.", ge=0)
+    rescore_timeout_s: float = described(
+        10.0, "Re-scoring a turn after feedback that takes longer is stored as not verified. 0: none.", ge=0
+    )
+    spool_max_bytes: int = described(
+        64 << 20,
+        "Bytes of served turns kept in the write-ahead spool (pipeline.serving.spool) while the registry does "
+        "not take them; past it new chat requests get 503 with Retry-After. 0: no limit.",
+        ge=0,
+    )
+    spool_dir: str | None = described(
+        None, "Directory of the write-ahead spool; default <home>/spool/<registry key>."
+    )
+    spool: bool = described(
+        True,
+        "Keep served turns in the write-ahead spool until the registry has them; --no-spool: in memory only "
+        "(a crash or a kill loses them; benchmarks compare).",
+    )
 
     def follows_champion(self) -> bool:
         return self.generation == "champion"
+
+
+SETTINGS_FIELDS = ("registry_url", "api_key", "engine_api_key", "device")
+"""The fields ``ratchet serve`` takes from ``pipeline.settings.Settings`` (the environment; a key is no option)."""
 
 
 @dataclass
@@ -111,14 +172,12 @@ class GenerationPlan:
     base_path: str
     specialists: list[str]
     adapters: list[AdapterSource]
-    state: dict[str, Any]
+    state: GenerationState  # its stored state document (the learned router's classifier, if fitted)
     model_spec: dict[str, Any] | None = None  # the base's model spec (dtype, tokenizer)
 
 
 def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
     """Read the generation to serve (``champion`` or a number) from the registry (``db``: an engine)."""
-    from pipeline.registry import get_champion, get_generation, session_scope
-    from pipeline.serving.adapters import AdapterSource
 
     with session_scope(db) as session:
         if which == "champion":
@@ -154,13 +213,12 @@ def plan_generation(db: Any, lineage: str, which: str) -> GenerationPlan:
             base_path=gen.base_model.path,
             specialists=[slot.specialist for slot in gen.adapters],
             adapters=adapters,
-            state=dict(gen.state or {}),
+            state=state_of(gen),
             model_spec=dict(gen.base_model.spec or {}),
         )
 
 
 def champion_id(db: Any, lineage: str) -> int | None:
-    from pipeline.registry import get_champion, session_scope
 
     with session_scope(db) as session:
         gen = get_champion(session=session, lineage=lineage)
@@ -169,10 +227,6 @@ def champion_id(db: Any, lineage: str) -> int | None:
 
 def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatchScheduler) -> Served:
     """Load ``plan`` behind the configured engine (blocking: call it in a thread from async code)."""
-    from pipeline.serving.engines import EmbeddedEngine, ExternalEngine
-    from pipeline.serving.router import TokenClassifier
-    from pipeline.serving.runtime import load_runtime
-    from pipeline.specs.harness import HarnessSpec
 
     try:
         harness = HarnessSpec.model_validate(plan.harness_spec)
@@ -181,15 +235,13 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
     missing = [s for s in harness.specialists if s not in plan.specialists]
     specialists = plan.specialists + missing  # harness-only specialists are served by the base model
     classifier = None
-    if isinstance(plan.state.get("router_classifier"), dict):
-        classifier = TokenClassifier.from_dict(plan.state["router_classifier"])
+    if plan.state.router_classifier is not None:
+        classifier = TokenClassifier.from_dict(plan.state.router_classifier)
     if config.engine == "embedded":
         if config.threads > 0:
             import torch
 
             torch.set_num_threads(config.threads)
-        from pipeline.modeling.placement import placement, tokenizer_dir
-        from pipeline.specs.modelspec import ModelSpec
 
         spec = ModelSpec.model_validate(plan.model_spec) if plan.model_spec else None
         runtime = load_runtime(
@@ -209,7 +261,6 @@ def load_served(plan: GenerationPlan, config: ServeConfig, scheduler: MicroBatch
             raise RatchetError(
                 "--engine external needs --engine-url (the OpenAI-compatible multi-LoRA server)"
             )
-        from pipeline.modeling.placement import tokenizer_dir
 
         tokenizer, limit = None, None
         tok_dir = tokenizer_dir(str((plan.model_spec or {}).get("tokenizer", "same_as_base")), plan.base_path)

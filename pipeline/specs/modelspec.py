@@ -7,15 +7,13 @@ Llama-style model (``tiny:``, its architecture plus bootstrap pretraining settin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
+from pipeline.environment.tinymodel import TinyModelConfig
 from pipeline.specs.contract import Name, StrictModel
 from pipeline.specs.loading import content_hash, load_spec
-
-if TYPE_CHECKING:
-    from pipeline.environment.tinymodel import TinyModelConfig
 
 
 class PretrainConfig(StrictModel):
@@ -54,7 +52,6 @@ class TinyBaseConfig(StrictModel):
 
     def to_tiny_model_config(self) -> TinyModelConfig:
         """The ``pipeline.environment.tinymodel.TinyModelConfig`` this spec describes (its hash names the cached build)."""
-        from pipeline.environment.tinymodel import TinyModelConfig
 
         return TinyModelConfig(
             hidden_size=self.hidden_size,
@@ -87,21 +84,27 @@ class BaseModelConfig(StrictModel):
         return self
 
 
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear projection of a Llama-style block: the default LoRA targets."""
+
+
 class LoraConfig(StrictModel):
-    """LoRA hyperparameters of one specialist's adapter."""
+    """LoRA hyperparameters of one specialist's adapter (the one place of their defaults:
+    ``pipeline.training.job.TrainConfig`` takes its defaults from here)."""
 
     rank: int = Field(default=16, ge=1, description="LoRA rank r.")
     alpha: float = Field(default=32.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        default_factory=lambda: list(ALL_LINEAR),
         min_length=1,
         description="Module names that get adapters.",
     )
 
 
 class TrainDefaults(StrictModel):
-    """Training defaults of one specialist's adapter."""
+    """SFT training settings of one specialist's adapter (the one place of their defaults: the job's
+    ``TrainConfig`` takes its defaults from here, and ``TrainConfig.from_spec`` every value)."""
 
     lr: float = Field(default=5e-4, gt=0, description="Learning rate.")
     epochs: float = Field(default=2.0, gt=0, description="Passes over the curated (accumulated) dataset.")
@@ -112,6 +115,18 @@ class TrainDefaults(StrictModel):
         ge=8,
         description="Training sequence length in tokens (longer examples are cut); null: the base's "
         "context length (max_position_embeddings), at most 2048.",
+    )
+    warmup_steps: int = Field(
+        default=10,
+        ge=0,
+        description="Optimizer steps of linear learning-rate warm-up (AdamW; constant after).",
+    )
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay of the LoRA weights.")
+    checkpoint_every: int = Field(
+        default=50,
+        ge=1,
+        description="Optimizer steps between checkpoints (adapter, optimizer, scheduler, RNG state); an "
+        "interrupted job resumes from the newest.",
     )
 
 
@@ -124,7 +139,7 @@ class DpoSettings(StrictModel):
         description="Strength of the implicit KL to the reference (the parent pair): larger keeps the successor "
         "closer to its parent.",
     )
-    lr: float = Field(default=1e-4, gt=0, description="Learning rate (AdamW, 10 warm-up steps).")
+    lr: float = Field(default=1e-4, gt=0, description="Learning rate (AdamW, after `warmup_steps`).")
     epochs: float = Field(default=2.0, gt=0, description="Passes over the preference pairs.")
     batch_size: int = Field(default=32, ge=1, description="Pairs per optimizer step.")
     max_steps: int | None = Field(default=None, ge=1, description="Step cap (overrides epochs); null: none.")
@@ -137,6 +152,14 @@ class DpoSettings(StrictModel):
         description="Weight of the preferred reply's mean negative log-likelihood beside the DPO loss (RPO; 0: "
         "pure DPO). Pure DPO lowers the preferred reply's probability along with the other's: on the demo it "
         "lost 0.09 held-out in one generation, where 1.0 gained 0.075 (bench/methods.py).",
+    )
+    warmup_steps: int = Field(
+        default=10, ge=0, description="Optimizer steps of linear learning-rate warm-up (constant after)."
+    )
+    checkpoint_every: int = Field(
+        default=50,
+        ge=1,
+        description="Optimizer steps between checkpoints; an interrupted job resumes from the newest.",
     )
 
 
@@ -155,7 +178,7 @@ class GrpoSettings(StrictModel):
     lr: float = Field(
         default=5e-5,
         gt=0,
-        description="Learning rate (AdamW, 5 warm-up steps). RL's gradient is noisier than SFT's: too high a "
+        description="Learning rate (AdamW, after `warmup_steps`). RL's gradient is noisier than SFT's: too high a "
         "rate drifts away from the parent while the reward stays flat (the tiny model: 2e-3 lost 0.10 "
         "held-out, 3e-4 gained).",
     )
@@ -170,6 +193,15 @@ class GrpoSettings(StrictModel):
         "that calls tools has the calls executed against it and gets their results back, until a reply calls "
         "none or this many were written; 1: single replies.",
     )
+    warmup_steps: int = Field(
+        default=5,
+        ge=0,
+        description="Updates of linear learning-rate warm-up (constant after; a step whose groups all tied "
+        "makes no update and does not count).",
+    )
+    checkpoint_every: int = Field(
+        default=20, ge=1, description="Steps between checkpoints; an interrupted job resumes from the newest."
+    )
 
 
 class SpecialistModel(StrictModel):
@@ -182,7 +214,10 @@ class SpecialistModel(StrictModel):
         "(preference pairs of replies to the same prompt, reference = the parent), `grpo` (online RL on "
         "the task source's training prompts with the contract's scorers as reward; needs `tasks`).",
     )
-    training: TrainDefaults = Field(default_factory=TrainDefaults, description="SFT training defaults.")
+    training: TrainDefaults = Field(
+        default_factory=TrainDefaults,
+        description="Settings of `method: sft` (`max_seq_len` also bounds dpo's and grpo's sequences).",
+    )
     dpo: DpoSettings = Field(default_factory=DpoSettings, description="Settings of `method: dpo`.")
     grpo: GrpoSettings = Field(default_factory=GrpoSettings, description="Settings of `method: grpo`.")
 
@@ -215,3 +250,9 @@ def load_model_spec(path: str | Path) -> ModelSpec:
 def model_spec_hash(spec: ModelSpec) -> str:
     """The model spec's content address."""
     return content_hash(spec)
+
+
+def base_hash(spec: ModelSpec) -> str:
+    """The built base model's content address: only what builds it (``base``), so a change to a specialist's
+    LoRA or training settings reuses the base already built."""
+    return content_hash(spec.base)
