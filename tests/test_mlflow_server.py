@@ -1,5 +1,5 @@
 """Ratchet against a real ``mlflow server`` process: a PostgreSQL backend store with proxied artifacts (the
-cluster setup of the README), a server that is not there, and a server killed in the middle of a generation
+cluster setup of docs/cluster.md), a server that is not there, and a server killed in the middle of a generation
 and started again."""
 
 from __future__ import annotations
@@ -172,6 +172,14 @@ def test_one_generation_against_an_mlflow_server_with_postgresql_and_proxied_art
             version = client.get_model_version(name, adapter.mlflow_model_version)
             assert version.run_id == adapter.mlflow_run_id and version.source.endswith("/adapter")
             assert client.get_model_version_by_alias(name, "champion").version == adapter.mlflow_model_version
+            # what it is and what the gates decided, on the run and on the version, through the server
+            decided = {"lineage": "main", "generation": "1", "specialist": adapter.specialist,
+                       "method": "sft", "decision": outcome["status"]}  # fmt: skip
+            assert decided.items() <= run.data.tags.items() and decided.items() <= version.tags.items()
+            assert f"heldout/candidate/{adapter.specialist}" in run.data.metrics
+            assert version.description.startswith(f"main generation 1, {adapter.specialist}:")
+            card = client.download_artifacts(run.info.run_id, "adapter/README.md", str(tmp_path / "cards"))
+            assert f"**Decision: {outcome['status']}**" in Path(card).read_text()
         with psycopg.connect(
             mlflow_database.replace("postgresql+psycopg", "postgresql")
         ) as conn:  # really there

@@ -5,6 +5,14 @@
 registered as MLflow model versions (``create_registered_model`` / ``create_model_version``) and promoted
 with aliases (``set_registered_model_alias``), e.g. ``champion``. mlflow is imported inside the methods.
 
+What a user opens in MLflow says what each thing is: a training run and its model version carry the
+adapter's ``lineage``, ``generation``, ``specialist`` and ``method`` tags (``identity_tags``; the version
+copies its run's). Once a generation is decided (``pipeline.loop.publication``), its scores are metrics of its
+runs and its ``decision`` and ``status`` are tags of its runs and model versions; a rejected version also
+says so in its description (``tag_version``). The adapters are registered from their runs' artifacts (the
+run's ``adapter/`` directory as the version's source), not as MLflow 3 logged models: a version's figures are
+its run's metrics and its own tags.
+
 Against a tracking server (an ``http(s)://`` URI) the client gives up after a few seconds instead of
 MLflow's default of about four minutes of retries (``HTTP_CLIENT_DEFAULTS``; a variable already set in the
 environment wins), experiments keep the server's artifact location (``--artifacts-destination``), and a
@@ -24,6 +32,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline.errors import RatchetError
+from pipeline.registry.locations import follow_moved_store
+from pipeline.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,10 @@ class Tracker(Protocol):
         ...
 
     def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tag the active run."""
+        ...
 
     def log_metric(self, key: str, value: float, step: int | None = None) -> None: ...
 
@@ -120,10 +134,12 @@ class MLflowTracker:
         self._pending: list[Any] = []
         with self._reaching(f"opening experiment {experiment!r}"):
             found = self.client.get_experiment_by_name(experiment)
+            location = Path(artifact_root).resolve().as_uri() if artifact_root is not None else None
             if found is not None:
                 self.experiment_id = found.experiment_id
+                if location is not None and found.artifact_location != location:  # the home moved?
+                    follow_moved_store(tracking_uri=tracking_uri, artifact_location=location)
             else:
-                location = Path(artifact_root).resolve().as_uri() if artifact_root is not None else None
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
 
     @contextmanager
@@ -146,7 +162,6 @@ class MLflowTracker:
     @classmethod
     def from_settings(cls, settings: Any = None, experiment: str = "ratchet") -> MLflowTracker:
         """The tracker for ``Settings`` (``tracking_uri``; artifacts under ``home/mlartifacts``)."""
-        from pipeline.settings import get_settings
 
         settings = settings or get_settings()
         settings.ensure_home()
@@ -201,6 +216,45 @@ class MLflowTracker:
             for at in range(0, len(items), 100):
                 self.client.log_batch(run_id, params=items[at : at + 100])
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tag_run(self._run(), tags)
+
+    def tag_run(self, run_id: str, tags: dict[str, str]) -> None:
+        """Set ``tags`` on a run (finished or not)."""
+        from mlflow.entities import RunTag
+
+        items = [RunTag(str(k), str(v)[:5000]) for k, v in sorted(tags.items())]
+        with self._reaching(f"tagging run {run_id}"):
+            for at in range(0, len(items), 100):
+                self.client.log_batch(run_id, tags=items[at : at + 100])
+
+    def log_run_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """Log ``metrics`` (at ``step``) to a run, finished or not; a key logged again adds a point."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+        with self._reaching(f"logging metrics of run {run_id}"):
+            for at in range(0, len(batch), 1000):
+                self.client.log_batch(run_id, metrics=batch[at : at + 1000])
+
+    def log_run_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        """Upload a file into a run's artifacts (finished or not), replacing one of the same name."""
+        with self._reaching(f"uploading {Path(path).name} to run {run_id}"):
+            self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+    def tag_version(
+        self, name: str, version: str, tags: dict[str, str], description: str | None = None
+    ) -> None:
+        """Set ``tags`` (and the description, when given) on a registered model version."""
+        with self._reaching(f"tagging version {version} of model {name!r}"):
+            for key, value in sorted(tags.items()):
+                self.client.set_model_version_tag(name, str(version), key, str(value)[:5000])
+            if description is not None:
+                self.client.update_model_version(name, str(version), description=description[:5000])
+
     def log_metric(self, key: str, value: float, step: int | None = None) -> None:
         """Buffered: per-step metrics go to the store in batches (one transaction per 200), not one by one."""
         import time
@@ -230,7 +284,8 @@ class MLflowTracker:
 
     def register_adapter(self, name: str, run_id: str, path: str) -> str:
         """The model version of ``run_id``'s adapter: the one registered already (a training step that failed
-        after registering it and runs again), else a new one."""
+        after registering it and runs again), else a new one. The version carries its run's identity tags
+        (``identity_tags``)."""
         from mlflow.exceptions import MlflowException
 
         with self._reaching(f"registering a version of model {name!r}"):
@@ -239,11 +294,17 @@ class MLflowTracker:
             except MlflowException as exc:
                 if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                     raise
-            source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
+            run = self.client.get_run(run_id)
+            source = f"{run.info.artifact_uri.rstrip('/')}/{path}"
+            tags = {k: v for k, v in run.data.tags.items() if k in IDENTITY}
             for known in self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
                 if known.source == source:
+                    for key, value in sorted(tags.items()):
+                        if known.tags.get(key) != value:
+                            self.client.set_model_version_tag(name, str(known.version), key, value)
                     return str(known.version)
-            return str(self.client.create_model_version(name, source=source, run_id=run_id).version)
+            made = self.client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+            return str(made.version)
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         with self._reaching(f"moving alias {alias!r} of model {name!r}"):
@@ -296,6 +357,15 @@ class MLflowTracker:
         """The version an alias points to (raises mlflow's error when unset)."""
         with self._reaching(f"reading alias {alias!r} of model {name!r}"):
             return str(self.client.get_model_version_by_alias(name, alias).version)
+
+
+IDENTITY = ("lineage", "generation", "specialist", "method")
+
+
+def identity_tags(record: dict[str, Any]) -> dict[str, str]:
+    """What an adapter is, as MLflow tags of its training run and model version: the lineage, generation,
+    specialist and training method that ``record`` (its ``lineage.json``) names."""
+    return {key: str(record[key]) for key in IDENTITY if record.get(key) is not None}
 
 
 def registered_model_name(lineage: str, specialist: str) -> str:

@@ -5,18 +5,31 @@ in it is fsynced and the directory is renamed to ``final`` (replacing an older o
 the temporary directory is removed and ``final`` is left as it was. A write the storage refuses (full,
 read-only, a file where a directory should be) becomes an ``ArtifactStoreError``: one line naming where
 and why, instead of a traceback.
+
+``stored_dataset_sha256`` is the one content hash of a training set: of the dataset as stored
+(``save_to_disk``) and loaded back (``load_from_disk``), which curation records in the registry and every job
+logs with its adapter. Arrow gives every row of a column the same fields (a message without tool calls gets
+``tool_calls: None`` once any message has them), so rows hashed before saving would not be the rows trained on.
+
+``save_adapter`` writes the adapter's model card (``README.md``, ``pipeline.training.cards``) over peft's
+empty one, from the same record as ``lineage.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RatchetError
+from pipeline.registry.tracking import identity_tags
+from pipeline.specs.loading import file_sha256
+from pipeline.training.cards import write_model_card
 
 
 class ArtifactStoreError(RatchetError):
@@ -79,15 +92,43 @@ def atomic_directory(final: Path, *, what: str) -> Iterator[Path]:
         ) from exc
 
 
+def conversations_sha256(conversations: Iterable[Any]) -> str:
+    """sha256 over conversations, one canonical JSON line each (key order and file layout do not matter)."""
+    digest = hashlib.sha256()
+    for conversation in conversations:
+        digest.update(json.dumps(conversation, sort_keys=True, separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def stored_dataset_sha256(dataset: Any) -> str:
+    """The content hash of a stored training set: ``dataset`` is the directory ``save_to_disk`` wrote, or
+    the ``datasets.Dataset`` ``load_from_disk`` read from it. Its conversations are hashed as loaded (the
+    ``messages`` of each row; a preference set's ``[messages, rejected]``), so curation, which hashes what
+    it saved, and training, which hashes what it loaded, record the same value."""
+    if isinstance(dataset, str | Path):
+        from datasets import load_from_disk
+
+        dataset = load_from_disk(str(dataset))
+    columns = ["messages", "rejected"] if "rejected" in dataset.column_names else ["messages"]
+
+    def rows() -> Iterator[Any]:
+        for batch in dataset.select_columns(columns).iter(batch_size=1000):
+            if len(columns) == 1:
+                yield from batch["messages"]
+            else:
+                yield from ([m, r] for m, r in zip(batch["messages"], batch["rejected"], strict=True))
+
+    return conversations_sha256(rows())
+
+
 def save_adapter(
     model: Any, output_dir: Path, *, record: dict[str, Any], tracker: Any = None
 ) -> tuple[Path, str]:
     """Save a job's peft ``model`` as ``output_dir/adapter`` (peft's config, ``adapter_model.safetensors`` and
-    ``lineage.json``: ``record`` plus the weights' sha256), atomically, and copy it into the tracker's run;
-    returns the directory and the sha256. A store that refuses the write is an ``ArtifactStoreError``."""
-    import json
-
-    from pipeline.specs.loading import file_sha256
+    ``lineage.json``: ``record`` plus the weights' sha256; ``README.md``: its model card), atomically, and copy
+    it into the tracker's run, whose tags then name its lineage, generation, specialist and method; returns
+    the directory and the sha256. A store that refuses the write is an ``ArtifactStoreError``."""
 
     adapter_dir = Path(output_dir) / "adapter"
     with atomic_directory(adapter_dir, what="adapter") as tmp:
@@ -95,8 +136,10 @@ def save_adapter(
         adapter_sha = file_sha256(tmp / "adapter_model.safetensors")
         record = {**record, "adapter_sha256": adapter_sha}
         (tmp / "lineage.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_model_card(tmp, record=record)  # over peft's empty card
     if tracker:
         tracker.log_params({"adapter_sha256": adapter_sha})
+        tracker.set_tags(identity_tags(record))
         try:
             tracker.log_artifact(adapter_dir, artifact_path="adapter")
         except Exception as exc:  # a local (file) MLflow artifact store that is full or read-only
