@@ -1,4 +1,4 @@
-"""The README's "Your own model and tasks", run exactly as written on a real-architecture fixture model.
+"""docs/own-model.md's "Your own model and tasks", run exactly as written on a real-architecture fixture model.
 
 The section's YAML blocks become the project's files (each block's first line names it), its bash block is
 run line by line with the project's ``ratchet`` (``serve`` in the background), and its Python block talks to
@@ -24,6 +24,7 @@ import pytest
 from realmodel import build_real_model
 
 ROOT = Path(__file__).resolve().parents[1]
+WALKTHROUGH = ROOT / "docs" / "own-model.md"  # the README links to it
 SECTION = "## Your own model and tasks"
 RATCHET = Path(sys.executable).with_name("ratchet")
 
@@ -121,7 +122,7 @@ def run(line: str, project: Path, env: dict[str, str]) -> subprocess.CompletedPr
 
 @pytest.mark.timeout(1500)
 def test_readme_walkthrough_on_a_real_architecture(tmp_path):
-    text = section((ROOT / "README.md").read_text(encoding="utf-8"))
+    text = section(WALKTHROUGH.read_text(encoding="utf-8"))
     project = tmp_path / "project"
     build_real_model(project / "my-model", kind="bytelevel", shards=3, sharpness=1.0)
     assert len(list((project / "my-model").glob("*.safetensors"))) > 1  # sharded
@@ -170,7 +171,7 @@ def test_readme_walkthrough_on_a_real_architecture(tmp_path):
 def wait_ready(port: int, server: subprocess.Popen | None) -> None:
     import httpx
 
-    assert server is not None, "the README's commands start no server"
+    assert server is not None, "the walkthrough's commands start no server"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert server.poll() is None, server.stdout.read() if server.stdout else ""
