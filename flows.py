@@ -24,6 +24,23 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pipeline.errors import ConflictError, RatchetError
+from pipeline.experience.ingest import ingest_file
+from pipeline.loop.advance import (
+    TRACKED,
+    advance_once,
+    begin_candidate,
+    owner_id,
+    release_candidate,
+    run_steps,
+)
+from pipeline.loop.candidate import STEPS, contract_of, done_steps
+from pipeline.loop.lease import Lease
+from pipeline.loop.promotion import t_quantile
+from pipeline.registry import get_champion, get_contract_version, get_engine, get_generation, session_scope
+from pipeline.registry.documents import evaluation_of
+from pipeline.registry.tracking import MLflowTracker
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # The ephemeral API server's first start creates and migrates its database; on a loaded 2-core machine that
@@ -48,8 +65,6 @@ def ingest_file_task(
     path: str, source: str, generation_id: int | None, harness_version_id: int | None
 ) -> IngestResult:
     """Stream one JSONL file into the registry (idempotent, so a retry never duplicates)."""
-    from pipeline.experience.ingest import ingest_file
-    from pipeline.registry import get_engine, session_scope
 
     engine = get_engine()
     return ingest_file(
@@ -64,7 +79,6 @@ def ingest_file_task(
 @task(name="resolve-generation", retries=TRANSIENT_RETRIES, retry_delay_seconds=RETRY_DELAY_S)
 def resolve_generation_task(lineage: str, generation: int | None) -> tuple[int | None, int | None]:
     """The (generation id, harness version id) that served the traces: the given one or the champion."""
-    from pipeline.registry import get_champion, get_engine, get_generation, session_scope
 
     with session_scope(get_engine()) as session:
         gen = (
@@ -87,7 +101,6 @@ def ingest_experience(
 @task(name="score-experience", retries=TRANSIENT_RETRIES, retry_delay_seconds=RETRY_DELAY_S)
 def score_experience_task(contract_version_id: int, rescore: bool = False):
     """Score every unscored trace under one contract version (resumable: commits per batch)."""
-    from pipeline.registry import get_engine, session_scope
     from pipeline.scoring import score_experience
 
     with session_scope(get_engine()) as session:
@@ -96,8 +109,6 @@ def score_experience_task(contract_version_id: int, rescore: bool = False):
 
 @task(name="resolve-contract", retries=TRANSIENT_RETRIES, retry_delay_seconds=RETRY_DELAY_S)
 def resolve_contract_task(lineage: str, name: str | None, version: str | None) -> int:
-    from pipeline.errors import RatchetError
-    from pipeline.registry import get_champion, get_contract_version, get_engine, session_scope
 
     with session_scope(get_engine()) as session:
         if name is None:
@@ -119,7 +130,6 @@ def score_experience(
 
 def _not_a_user_error(task, task_run, state) -> bool:
     """Retry transient failures (a locked database, a dropped connection), never a user's mistake."""
-    from pipeline.errors import RatchetError
 
     try:
         state.result()
@@ -147,8 +157,6 @@ def gpu_slot(limit: str | None) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectNotFound
-
-    from pipeline.errors import RatchetError
 
     with get_client(sync_client=True) as client:
         try:
@@ -237,7 +245,6 @@ def advance_generation(generations: int = 1, config=None, tracker=None, progress
     limit ``ratchet-gpu`` where a Prefect server has it: ``server_gpu_limit``); a crashed run continues the
     same candidate when started again.
     """
-    from pipeline.loop.advance import advance_once
 
     config = config or AdvanceConfig()
     step = _step_task()
@@ -263,10 +270,6 @@ def _candidate(
 ) -> Iterator[int]:
     """Hold the candidate's lease as ``owner`` (renewed in the background) while the block runs; the
     candidate must be generation id ``expect`` when given. ``release``: give the lease up afterwards."""
-    from pipeline.errors import ConflictError
-    from pipeline.loop.advance import begin_candidate, release_candidate
-    from pipeline.loop.lease import Lease
-    from pipeline.registry import get_engine
 
     generation_id = begin_candidate(config=config, owner=owner)
     if expect is not None and generation_id != expect:
@@ -286,9 +289,6 @@ def _candidate(
 def _run_steps(steps, *, generation_id: int, config: AdvanceConfig, gpu_limit: str | None = None) -> dict:
     """Run those of ``steps`` not yet done for the candidate, each as a task (GPU steps under a slot of
     ``gpu_limit``); the last step's outcome."""
-    from pipeline.loop.advance import TRACKED, run_steps
-    from pipeline.loop.candidate import done_steps
-    from pipeline.registry.tracking import MLflowTracker
 
     step = _step_task()
     todo = set(steps) - set(done_steps(generation_id))
@@ -331,10 +331,6 @@ def advance_cluster(
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
-    from pipeline.errors import RatchetError
-    from pipeline.loop.advance import owner_id
-    from pipeline.loop.candidate import STEPS
-
     # One lease owner for this flow run and the GPU run it starts. Its extra part (the flow run) makes
     # `lease.owner_gone` judge it by expiry only: this process ending early must not free the candidate
     # while the GPU run, renewing the same owner, still works on it.
@@ -368,19 +364,15 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
 
     Each row's interval is a two-sided t interval at ``1 - 2 alpha`` (per specialist alpha is the contract's
     ``regression_error_rate``, overall the rate the improvement test used), a description of the delta; the
-    gates are the verdict's own tests (``evaluation["verdict"]["tests"]``: the sign-flip improvement test and
+    gates are the verdict's own tests (``evaluation.verdict.tests``: the sign-flip improvement test and
     the betting non-inferiority tests, each at the rate its attempt on its suite may spend), then the KL
     budget, the item count and routing."""
-    from pipeline.loop.candidate import contract_of
-    from pipeline.loop.promotion import t_quantile
-    from pipeline.registry import get_engine, get_generation, session_scope
 
     with session_scope(get_engine()) as session:
         gen = get_generation(session=session, number=number, lineage=lineage)
-        evaluation, status, decision = dict(gen.evaluation or {}), gen.status, gen.decision or ""
+        evaluation, status, decision = evaluation_of(gen), gen.status, gen.decision or ""
         contract = contract_of(gen)
-    gates, comparison = contract.promotion, evaluation.get("comparison") or {}
-    verdict = evaluation.get("verdict") or {}
+    gates, comparison, verdict = contract.promotion, evaluation.comparison, evaluation.verdict
 
     def row(name, parent, candidate, delta, se, df, alpha, n) -> dict:
         half = t_quantile(1 - alpha, df) * se
@@ -392,41 +384,39 @@ def decision_report(lineage: str, number: int) -> tuple[list[dict], str]:
         return f"| {name} | {setting} | {measured} | {'pass' if passed else '**fail**'} |"
 
     alpha = gates.regression_error_rate
-    specialists = sorted((comparison.get("specialists") or {}).items())
-    rows = [row(s, c["champion"], c["candidate"], c["delta"], c["se"], max(1, c["n"] - 1), alpha, c["n"])
+    specialists = sorted(comparison.specialists.items()) if comparison is not None else []
+    rows = [row(s, c.champion, c.candidate, c.delta, c.se, max(1, c.n - 1), alpha, c.n)
             for s, c in specialists]  # fmt: skip
     lines = [f"# {lineage} generation {number}: {status}", "", f"**Decision:** {decision}", ""]
-    lines += [f"- {reason}" for reason in verdict.get("reasons", [])]
+    lines += [f"- {reason}" for reason in (verdict.reasons if verdict else [])]
     lines += ["", "## Gates", "", "| gate | setting | measured | result |", "|---|---|---|---|"]
     if rows and verdict:
-        df = float("inf") if comparison["df"] is None else comparison["df"]
-        total = sum(c["n"] for _, c in specialists)
-        rows.append(row("overall", comparison["champion_overall"], comparison["candidate_overall"],
-                        comparison["delta"], comparison["se"], df, verdict["rate"], total))  # fmt: skip
+        df = float("inf") if comparison.df is None else comparison.df
+        total = sum(c.n for _, c in specialists)
+        rows.append(row("overall", comparison.champion_overall, comparison.candidate_overall,
+                        comparison.delta, comparison.se, df, verdict.rate, total))  # fmt: skip
     # the gate's own tests (sign-flip permutation tests, each at the rate its attempt on the suite may spend);
     # the rows' t intervals above describe the deltas, they decide nothing
-    for test in verdict.get("tests", []):
-        how = f"Monte Carlo +-{test['mc_error']:.2g}" if test["method"] == "monte carlo" else test["method"]
-        margin = f", margin {test['margin']:+g}" if test["margin"] else ""
-        setting = f"p <= {test['rate']:.4g} (attempt {test['attempt']} on its suite{margin})"
-        measured = f"p = {test['p']:.4g} ({how}, {test['units']} units)"
-        lines.append(gate(test["test"], setting, measured, test["passed"]))
+    for test in verdict.tests if verdict else []:
+        how = f"Monte Carlo +-{test.mc_error:.2g}" if test.method == "monte carlo" else test.method
+        margin = f", margin {test.margin:+g}" if test.margin else ""
+        setting = f"p <= {test.rate:.4g} (attempt {test.attempt} on its suite{margin})"
+        measured = f"p = {test.p:.4g} ({how}, {test.units} units)"
+        lines.append(gate(test.test, setting, measured, bool(test.passed)))
     if gates.max_kl_to_base is not None:
-        divergence = evaluation.get("divergence") or {}
         for s, _ in specialists:
-            kl = (divergence.get(s) or {}).get("kl_to_base")
+            kl = evaluation.divergence[s].kl_to_base if s in evaluation.divergence else None
             measured = "not measured" if kl is None else f"{kl:.4f} nats/token"
             lines.append(gate(f"KL to base: {s}", f"<= {gates.max_kl_to_base:g}", measured,
                               kl is not None and kl <= gates.max_kl_to_base))  # fmt: skip
-    fewest = min((c["n"] for _, c in specialists), default=0)
+    fewest = min((c.n for _, c in specialists), default=0)
     lines.append(gate("held-out items", f">= {gates.min_heldout_samples} per specialist", f"fewest {fewest}",
                       fewest >= gates.min_heldout_samples))  # fmt: skip
-    router, parent_router = evaluation.get("router"), evaluation.get("parent_router")
-    if contract.routing is not None and router and parent_router:
-        drop = parent_router["accuracy"] - router["accuracy"]
+    after = evaluation.router.accuracy if evaluation.router else None
+    before = evaluation.parent_router.accuracy if evaluation.parent_router else None
+    if contract.routing is not None and after is not None and before is not None:
         lines.append(gate("routing", f"accuracy drop <= {contract.routing.max_accuracy_drop:g}",
-                          f"{parent_router['accuracy']:.3f} -> {router['accuracy']:.3f}",
-                          drop <= contract.routing.max_accuracy_drop))  # fmt: skip
+                          f"{before:.3f} -> {after:.3f}", before - after <= contract.routing.max_accuracy_drop))  # fmt: skip
     return rows, "\n".join(lines) + "\n"
 
 

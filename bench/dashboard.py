@@ -220,7 +220,7 @@ def seed_lineage(session, n_gens: int, rng: random.Random) -> tuple[list[int], i
                 target_modules=["q_proj", "v_proj"], artifact_uri=uri, sha256=sha, artifact_root=ADAPTERS,
                 parent_adapter_id=champion_adapters[s], mlflow_run_id=f"run{number:04d}{s}",
                 dataset_sha256=digests[s],
-                metrics={"method": "sft", "final_loss": curve[-1][1], "steps": 300, "loss_curve": curve},
+                method="sft", metrics={"final_loss": curve[-1][1], "steps": 300, "loss_curve": curve},
             ).id  # fmt: skip
         dropped = {
             s: {"unverified": rng.randint(50, 400), "duplicate": rng.randint(0, 40)} for s in SPECIALISTS

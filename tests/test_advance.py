@@ -73,7 +73,7 @@ def test_one_generation_end_to_end(lineage):
             name = f"ratchet-main-{adapter.specialist}"
             assert client.get_model_version_by_alias(name, "champion").version == adapter.mlflow_model_version
     rows = lineage_rows("main")
-    assert [r["generation"] for r in rows] == [0, 1]
+    assert [r["number"] for r in rows] == [0, 1]
     assert set(rows[0]["scores"]) == {"chat", "agent", "coding", "genui"} and rows[1]["overall"] is not None
     assert rows[1]["status"] == outcome["status"]
     # measured on the contract's routing suite (paraphrases the signals were not written for), both harnesses
@@ -219,8 +219,8 @@ def test_promote_and_rollback_commands(lineage, capsys):
         main(["rollback"])
     assert "nothing to roll back to" in capsys.readouterr().err
     main(["lineage", "--json"])
-    rows = json.loads(capsys.readouterr().out)
-    assert {"generation", "parent", "status", "scores", "overall", "decision"} <= set(rows[0])
+    rows = json.loads(capsys.readouterr().out)["generations"]  # pipeline.registry.summaries.LineageSummary
+    assert {"number", "parent", "status", "scores", "overall", "decision"} <= set(rows[0])
 
 
 def test_no_collect_learns_from_ingested_experience_only(lineage):

@@ -41,7 +41,7 @@ def test_second_seed_also_improves(tmp_path):
     base, champion = rows[0]["overall"], next(r for r in rows if r["status"] == "promoted")
     promoted = [o for o in outcomes if o["status"] == "promoted"]
     assert promoted, [o["decision"] for o in outcomes]
-    assert champion["generation"] > 0 and champion["overall"] > base + 0.03, (base, champion)
+    assert champion["number"] > 0 and champion["overall"] > base + 0.03, (base, champion)
     # every promotion was significant at its attempt's share of the lineage's error rate: the decision says the
     # improvement test's p-value and the rate it needed, and the first is within the second
     for row in rows[1:]:

@@ -82,7 +82,7 @@ def test_discovered_variants_are_checked_against_their_sha256(tmp_path):
     entry = write_variants(
         [{"messages": [{"role": "user", "content": "1+2=?"}], "metadata": {}}], tmp_path / "v"
     )
-    state = {"steps": {"discover": {"specialists": {"chat": entry}}}}
+    state = {"steps": {"discover": {"specialists": {"chat": {"tried": 1, "found": 1, **entry}}}}}
     assert len(discovered_items(state, "chat")) == 1 and discovered_items(state, "agent") == []
     Path(entry["path"]).write_text(json.dumps({"messages": [{"role": "user", "content": "7+8=?"}]}) + "\n")
     with pytest.raises(RatchetError, match="sha256"):
@@ -120,3 +120,34 @@ def test_discovery_finds_the_champions_frontier_and_collection_practises_it(line
                 assert score_trace(load_contract(lineage["contract"]), trace, specialist="chat").verified
         assert steps["collect"]["discovered_variants"][specialist] == len(items)
     assert total > 0, found  # the small base solves some sums sometimes
+
+
+def test_discovery_scoring_counts_as_contract_scoring_and_matches_scoring_one_by_one():
+    """Discovery's scoring is contract scoring (``bench/overhead.py`` counted its sandboxed test runs as
+    overhead), with the same count per item as scoring one trace after another."""
+    from pipeline.environment import sample_prompts
+    from pipeline.loop.clock import CLOCK
+    from pipeline.loop.discovery import solved, solved_counts
+    from pipeline.specs.harness import load_harness
+
+    harness = load_harness(ROOT / "harnesses" / "demo.yaml")
+    attempts = []
+    for specialist in ("chat", "coding"):
+        for n, item in enumerate(sample_prompts(specialist, 6, seed=5)):
+            right = (item.get("metadata") or {}).get("expected")
+            replies = [right if isinstance(right, str) and k < n % 3 else f"no idea {k}" for k in range(3)]
+            attempts.append(
+                (specialist, [{**item, "messages": [*item["messages"], {"role": "assistant", "content": r}]}
+                              for r in replies])
+            )  # fmt: skip
+    solved_any = []
+    for specialist in ("chat", "coding"):
+        mine = [traces for s, traces in attempts if s == specialist]
+        one_by_one = [
+            sum(solved(CONTRACT, t, harness=harness, specialist=specialist) for t in ts) for ts in mine
+        ]
+        CLOCK.reset()
+        assert solved_counts(CONTRACT, mine, harness=harness, specialist=specialist) == one_by_one
+        assert CLOCK.total("score") > 0
+        solved_any.append(any(one_by_one))
+    assert all(solved_any), "some replies solve their item"

@@ -232,3 +232,30 @@ def test_a_judge_down_for_the_champions_half_fails_the_evaluation_step(small_bas
     with session_scope(get_engine()) as s:  # the dashboard's items: the 99 compared, never a 0 for the gap
         assert s.scalar(select(func.count()).select_from(EvaluationItem)) == 99
     assert lineage_rows("main")[-1]["unscored"] == {specialist: 1}
+
+
+def test_scoring_a_pairs_answers_counts_as_contract_scoring():
+    """``score_pair``'s scoring (co-design's variants, evaluation's discovered variants) is contract scoring:
+    ``bench/overhead.py`` counted it as overhead. The scores are each answer's final-turn score."""
+    from pipeline.environment import sample_prompts
+    from pipeline.gates.answers import item_score, score_answers
+    from pipeline.loop.clock import CLOCK
+    from pipeline.specs.contract import load_contract
+    from pipeline.specs.harness import load_harness
+
+    contract = load_contract(ROOT / "contracts" / "demo.yaml")
+    harness = load_harness(ROOT / "harnesses" / "demo.yaml")
+    answered = {}
+    for s in ("chat", "coding"):
+        items = sample_prompts(s, 4, seed=2)
+        replies = [it["metadata"]["expected"] if k % 2 else "no idea" for k, it in enumerate(items)]
+        answered[s] = [{**it, "messages": [*it["messages"], {"role": "assistant", "content": r}]}
+                       for it, r in zip(items, replies, strict=True)]  # fmt: skip
+    CLOCK.reset()
+    scores = score_answers(contract, harness, answered)
+    assert CLOCK.total("score") > 0
+    assert scores == {
+        s: [item_score(contract, t, harness=harness, specialist=s).value or 0.0 for t in traces]
+        for s, traces in answered.items()
+    }
+    assert any(v > 0.5 for v in scores["chat"]) and any(v < 0.5 for v in scores["chat"])

@@ -97,7 +97,7 @@ def test_a_candidate_that_forgets_its_retention_suite_is_rejected_with_the_reaso
     assert "KL" in decision and "max_kl_to_base" in decision
 
     main(["lineage", "--json"])
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["generations"]
     assert rows[0]["accuracy"]["retention:keeps-base"] == 1.0
     assert rows[1]["accuracy"]["retention:keeps-base"] == pytest.approx(1 - lost, abs=1e-4)
     assert rows[1]["backward_transfer"]["retention:keeps-base"] == pytest.approx(-lost, abs=1e-4)
@@ -120,7 +120,7 @@ def test_a_candidate_that_forgets_its_retention_suite_is_rejected_with_the_reaso
 
 def _gen(n, parent, held, kept, held_parent=None, kept_parent=None):
     ev = {"items": {"chat": {"candidate": held, "parent": held_parent or held}},
-          "retention": {"r": {"candidate": kept, "parent": kept_parent or kept}}}  # fmt: skip
+          "retention": {"r": {"specialist": "chat", "candidate": kept, "parent": kept_parent or kept}}}  # fmt: skip
     return {"generation": n, "parent": parent, "evaluation": ev if n else {}}
 
 
@@ -146,3 +146,23 @@ def test_backward_transfer_is_measured_along_the_line_of_descent():
     assert metrics == {"accuracy/heldout.chat": 0.75, "accuracy/retention.r": 0.0,
                        "backward_transfer/heldout.chat": 0.5, "backward_transfer/retention.r": -0.5,
                        "kl_to_base/chat": 0.3, "kl_to_parent/chat": 0.1}  # fmt: skip
+
+
+def test_the_kl_measurement_is_timed_as_model_compute(small_base):
+    """The KL measurement's teacher-forced forwards are model compute (``CLOCK``'s ``forward``):
+    ``bench/overhead.py`` counted them as overhead."""
+    from pipeline.environment.tasks import heldout_suite
+    from pipeline.gates.divergence import measure_divergence
+    from pipeline.loop.clock import CLOCK
+    from pipeline.modeling.pair import PairSpec
+    from pipeline.modeling.placement import spec_placement
+    from pipeline.specs.harness import load_harness
+
+    harness = load_harness(ROOT / "harnesses" / "demo.yaml")
+    pair = PairSpec(small_base, {"chat": None}, harness, spec_placement(), small_base)
+    answers = [{**it, "messages": [*it["messages"], {"role": "assistant", "content": "47"}]}
+               for it in heldout_suite("chat", 4, seed=7)]  # fmt: skip
+    CLOCK.reset()
+    found = measure_divergence(pair, pair, {"chat": answers})
+    assert found["chat"]["tokens"] > 0 and found["chat"]["kl_to_base"] == 0.0  # the base against itself
+    assert CLOCK.total("forward") > 0

@@ -334,3 +334,47 @@ def test_weights_hash_names_a_missing_shard(tmp_path):
         weights_sha256(tmp_path)
     with pytest.raises(RatchetError, match="no model.safetensors"):
         weights_sha256(tmp_path / "nowhere")
+
+
+# -- dpo's and grpo's checkpoint interval is the model spec's (issue 24: one config source) --------------------
+
+
+def _checkpoints(job_dir) -> list[str]:
+    return sorted(p.name for p in (job_dir / "checkpoint").glob("step-*"))
+
+
+def test_the_dpo_checkpoint_interval_follows_the_spec(base_dir, tmp_path):
+    """Interrupted after 5 steps with ``checkpoint_every: 2``: checkpoints at steps 4 and 5 (the newest two
+    kept); the hard-coded interval of 50 left step 5 only. The job resumes from step 5."""
+    from pipeline.loop.curation import save_dataset
+    from pipeline.specs.modelspec import DpoSettings, LoraConfig
+    from pipeline.training.dpo import train_dpo
+
+    rows = []
+    for i, trace in enumerate(training_corpus(32, seed=4)):
+        *context, answer = trace["messages"]
+        text = answer.get("content") or trace["metadata"]["expected"]
+        rows.append({"messages": [*context, {"role": "assistant", "content": text}],
+                     "rejected": [*context, {"role": "assistant", "content": text + "0"}],
+                     "score": 1.0, "rejected_score": 0.0, "experience_id": i, "rejected_experience_id": 100 + i})  # fmt: skip
+    save_dataset(rows, tmp_path / "pairs")
+    settings = DpoSettings(lr=5e-3, batch_size=8, max_steps=8, warmup_steps=1, checkpoint_every=2)
+    job = {"base_model_dir": base_dir, "dataset_dir": tmp_path / "pairs", "output_dir": tmp_path / "job",
+           "settings": settings, "lora": LoraConfig(rank=4, alpha=8)}  # fmt: skip
+    assert not train_dpo(**job, stop_after_steps=5).completed
+    assert _checkpoints(tmp_path / "job") == ["step-0000004", "step-0000005"]
+    assert train_dpo(**job).resumed_from_step == 5
+
+
+def test_the_grpo_checkpoint_interval_follows_the_spec(base_dir, tmp_path):
+    from pipeline.scoring import EpisodeReward
+    from pipeline.specs.modelspec import GrpoSettings, LoraConfig
+    from pipeline.training.grpo import Episodes, train_grpo
+
+    episodes = Episodes(items=sample_prompts("chat", 8, seed=2), view=lambda messages: messages, max_new_tokens=8,
+                        reward=lambda trace: EpisodeReward(float("1" in trace["messages"][-1].get("content", "")), None))  # fmt: skip
+    settings = GrpoSettings(group_size=2, prompts_per_step=2, steps=4, warmup_steps=1, checkpoint_every=1)
+    job = {"base_model_dir": base_dir, "output_dir": tmp_path / "job", "episodes": episodes, "settings": settings,
+           "lora": LoraConfig(rank=4, alpha=8)}  # fmt: skip
+    assert not train_grpo(**job, stop_after_steps=3).completed
+    assert _checkpoints(tmp_path / "job") == ["step-0000002", "step-0000003"]

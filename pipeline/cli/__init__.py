@@ -1,12 +1,14 @@
 """The ``ratchet`` command line. Each sub-module adds its commands to ``app``.
 
-Heavy libraries (torch, mlflow, prefect, transformers) are imported inside the commands that
-use them, so ``ratchet --help`` stays fast. A ``RatchetError`` (the user's mistake) is printed as
+A command's module is imported only when that command runs or shows its own help (``pipeline.cli.app``),
+and heavy libraries (torch, mlflow, prefect, transformers) only inside the commands that use them, so
+``ratchet --help`` stays fast. A ``RatchetError`` (the user's mistake) is printed as
 one line on stderr with a non-zero exit; anything else is our bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -15,6 +17,7 @@ import warnings
 import click
 import typer
 
+from pipeline.cli.app import COMMANDS, app
 from pipeline.errors import RatchetError
 
 try:  # typer >= 0.20 ships its own copy of click; its usage errors do not derive from click's
@@ -22,14 +25,13 @@ try:  # typer >= 0.20 ships its own copy of click; its usage errors do not deriv
 except ImportError:  # pragma: no cover - older typer uses click itself
     _TyperClickException = click.ClickException
 
-from pipeline.cli.app import app  # noqa: E402 - the commands below add themselves to it
-
 __all__ = ["app", "main"]
 
 
 def _register_commands() -> None:
-    # Imported for their side effect of adding commands to ``app`` (each imports nothing heavy at load).
-    from pipeline.cli import advance, contract, core, dashboard, keys, serve, up  # noqa: F401
+    """Import every command's module (each adds its commands to ``app``); ``main`` imports only the one it runs."""
+    for module in dict.fromkeys(module for module, _ in COMMANDS.values()):
+        importlib.import_module(module)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,8 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
     # peft asks transformers 5 a question under its old name; nothing the user can act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    _register_commands()
-    command = typer.main.get_command(app)
+    command = typer.main.get_group(app)  # the commands' modules load when one is resolved
     try:
         rc = command.main(args=argv, prog_name="ratchet", standalone_mode=False)
     except RatchetError as exc:
@@ -62,8 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # SQLite's write lock held past the busy timeout: one line, not a traceback
-        from pipeline.loop.lease import held_leases
-        from pipeline.registry.db import registry_busy
+        from pipeline.loop.lease import (
+            held_leases,
+        )  # lazy: keeps ratchet --help light
+        from pipeline.registry.db import registry_busy  # lazy: keeps ratchet --help light
 
         busy = registry_busy(exc, ours=frozenset(lease.owner for lease in held_leases()))
         if busy is None:

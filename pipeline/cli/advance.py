@@ -8,78 +8,61 @@ from typing import Annotated, Any
 import typer
 
 from pipeline.cli.app import app
+from pipeline.cli.options import with_config
+from pipeline.environment import training_corpus
+from pipeline.environment.tinymodel import build_tiny_model
 from pipeline.errors import RatchetError
 from pipeline.loop.candidate import AdvanceConfig
+from pipeline.loop.founding import init_lineage
+from pipeline.loop.promotion import sync_champion_aliases
+from pipeline.registry import (
+    get_champion,
+    get_engine,
+    get_generation,
+    promote_generation,
+    rollback_champion,
+    session_scope,
+)
+from pipeline.registry.generations import abandon_generation
+from pipeline.registry.summaries import DiscoverySummary, LineageSummary
+from pipeline.registry.tracking import MLflowTracker
+from pipeline.settings import apply_torch_threads, get_settings
+from pipeline.shipped import demo_specs
+from pipeline.specs.modelspec import ModelSpec
 
 LineageOpt = Annotated[str, typer.Option(help="Lineage name.")]
-PromptsOpt = Annotated[
-    int, typer.Option(min=1, help="Practice prompts per specialist per cycle, from its contract task source.")
-]
-SamplesOpt = Annotated[int, typer.Option(min=1, help="Sampled attempts per prompt.")]
+# `advance` and `demo` take every AdvanceConfig field as an option (pipeline.cli.options); these two by
+# their short names
+ADVANCE_FLAGS = {"prompts_per_specialist": "--prompts", "samples_per_prompt": "--samples"}
 MAX_REASON = 500  # an operator's reason, as the dashboard's form takes it
 
 
-def lineage_rows(lineage: str) -> list[dict[str, Any]]:
-    """The lineage as plain data (what `ratchet lineage --json` prints)."""
-    from pipeline.gates.transfer import lineage_matrix
-    from pipeline.loop.discovery import discovery_summary
-    from pipeline.registry import get_engine, list_generations, session_scope
+def lineage_summary(lineage: str) -> LineageSummary:
+    """The lineage as `ratchet lineage --json` prints it and the dashboard's `/api/lineage` returns it (one
+    model, ``pipeline.registry.summaries.LineageSummary``)."""
+    from pipeline.dashboard.overview import lineage_summary as summarise  # lazy: imports fastapi
 
-    rows = []
     with session_scope(get_engine()) as session:
-        gens = list_generations(session=session, lineage=lineage)
-        numbers = {g.id: g.number for g in gens}
-        matrix = lineage_matrix(session, lineage, gens)
-        for g in gens:
-            ev = g.evaluation or {}
-            steps = (g.state or {}).get("steps") or {}
-            curate = steps.get("curate") or {}
-            rows.append(
-                {
-                    "generation": g.number,
-                    "parent": numbers.get(g.parent_id),
-                    "status": g.status,
-                    "harness": g.harness_version.version,
-                    "adapters": {
-                        a.specialist: (f"v{a.adapter.version}" if a.adapter else None) for a in g.adapters
-                    },
-                    "methods": {a.specialist: (a.adapter.method if a.adapter else None) for a in g.adapters},
-                    "scores": ev.get("scores", {}),
-                    "overall": ev.get("overall"),
-                    "router_accuracy": (ev.get("router") or {}).get("accuracy"),
-                    "attempt": ev.get("attempt"),
-                    "unscored": ev.get("unscored") or {},  # held-out items left out: unscored on a pair
-                    # the accuracy matrix's row (held-out and retention suites) and backward transfer
-                    # (pipeline.gates.transfer), and the KL of each specialist to the base and to its parent
-                    "accuracy": matrix["rows"][g.number],
-                    "backward_transfer": matrix["backward_transfer"][g.number],
-                    "divergence": ev.get("divergence") or {},
-                    "curation": {
-                        "kept": {s: d.get("rows", 0) for s, d in (curate.get("datasets") or {}).items()},
-                        "dropped": curate.get("dropped") or {},
-                        "dropped_by_principal": curate.get("dropped_by_principal") or {},
-                    },
-                    "discovery": discovery_summary(steps.get("discover"), ev.get("discovery")),
-                    "decision": g.decision,
-                    "step": g.step,
-                    "seconds": (g.state or {}).get("seconds") or {},
-                    "created_at": g.created_at.isoformat(),
-                }
-            )
-    return rows
+        return summarise(session=session, lineage=lineage)
 
 
-def describe_discovery(found: dict[str, dict[str, Any]]) -> str:
+def lineage_rows(lineage: str) -> list[dict[str, Any]]:
+    """Every generation of the lineage as plain data (``GenerationSummary``; `ratchet lineage --json`'s
+    ``generations``)."""
+    return [g.model_dump(mode="json") for g in lineage_summary(lineage).generations]
+
+
+def describe_discovery(found: dict[str, DiscoverySummary]) -> str:
     """One line: per specialist, the variants discovery found and how champion and candidate answer them."""
     parts = []
     for s, d in sorted(found.items()):
-        if d.get("found"):
+        if d.found:
             scores = (
-                f" ({d['champion']:.2f} -> {d['candidate']:.2f})"
-                if d.get("champion") is not None and d.get("candidate") is not None
+                f" ({d.champion:.2f} -> {d.candidate:.2f})"
+                if d.champion is not None and d.candidate is not None
                 else ""
             )
-            parts.append(f"{s} {d['found']}/{d['tried']}{scores}")
+            parts.append(f"{s} {d.found}/{d.tried}{scores}")
     return "variants found (champion -> candidate, greedy): " + ", ".join(parts)
 
 
@@ -87,10 +70,8 @@ def print_lineage(lineage: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    rows = lineage_rows(lineage)
-    if not rows:
-        raise RatchetError(f"lineage {lineage!r} has no generations: run `ratchet init`")
-    specialists = sorted({s for r in rows for s in r["adapters"]})
+    rows = lineage_summary(lineage).generations  # refused with one line when the lineage has none
+    specialists = sorted({s for r in rows for s in r.adapters})
     table = Table(title=f"lineage {lineage}", show_lines=False)
     for col in ("gen", "parent", "status", "harness", *specialists, "overall", "router", "decision"):
         table.add_column(
@@ -99,44 +80,45 @@ def print_lineage(lineage: str) -> None:
     for r in rows:
         cells = []
         for s in specialists:
-            score = r["scores"].get(s)
-            adapter = r["adapters"].get(s) or "-"
-            if r["methods"].get(s) not in (None, "sft"):
-                adapter += f" {r['methods'][s]}"
+            score = r.scores.get(s)
+            adapter = r.adapters.get(s) or "-"
+            if r.methods.get(s) not in (None, "sft"):
+                adapter += f" {r.methods[s]}"
             cells.append(f"{adapter} {score:.3f}" if score is not None else adapter)
-        overall = f"{r['overall']:.3f}" if r["overall"] is not None else "-"
-        router = f"{r['router_accuracy']:.2f}" if r["router_accuracy"] is not None else "-"
-        style = "bold green" if r["status"] == "promoted" else None
+        overall = f"{r.overall:.3f}" if r.overall is not None else "-"
+        router = f"{r.router_accuracy:.2f}" if r.router_accuracy is not None else "-"
+        style = "bold green" if r.champion else None
         table.add_row(
-            str(r["generation"]),
-            "-" if r["parent"] is None else str(r["parent"]),
-            r["status"],
-            r["harness"],
+            str(r.number),
+            "-" if r.parent is None else str(r.parent),
+            r.status,
+            r.harness,
             *cells,
             overall,
             router,
-            r["decision"] or "",
+            r.decision or "",
             style=style,
         )
     console = Console()
     if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
         console = Console(width=160)
     console.print(table)
-    champion = next((r for r in rows if r["status"] == "promoted"), None)
-    if champion is not None and champion["backward_transfer"]:  # pipeline.gates.transfer
+    champion = next((r for r in rows if r.champion), None)
+    if champion is not None and champion.backward_transfer:  # pipeline.gates.transfer
         console.print(
-            f"champion (generation {champion['generation']}) per suite, backward transfer since the suite was "
+            f"champion (generation {champion.number}) per suite, backward transfer since the suite was "
             "first measured on its line: "
             + ", ".join(
-                f"{suite} {champion['accuracy'][suite]:.3f} ({value:+.3f})"
-                for suite, value in sorted(champion["backward_transfer"].items())
+                f"{suite} {champion.accuracy[suite]:.3f} ({value:+.3f})"
+                for suite, value in sorted(champion.backward_transfer.items())
             ),
             highlight=False,
         )
-    if champion is not None and champion["divergence"]:  # pipeline.gates.divergence
+    kl = {s: d.kl_to_base for s, d in champion.divergence.items()} if champion is not None else {}
+    if kl:  # pipeline.gates.divergence
         console.print(
             "champion's mean per-token KL to the base model (nats, on its held-out answers): "
-            + ", ".join(f"{s} {d['kl_to_base']:.4f}" for s, d in sorted(champion["divergence"].items())),
+            + ", ".join(f"{s} {v:.4f}" if v is not None else f"{s} -" for s, v in sorted(kl.items())),
             highlight=False,
         )
 
@@ -147,15 +129,14 @@ def lineage_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Show every generation: parent, status, harness, adapters, held-out scores and the decision."""
-    if as_json:
-        typer.echo(json.dumps(lineage_rows(lineage), indent=2))
+    if as_json:  # the same document as the dashboard's /api/lineage
+        typer.echo(json.dumps(lineage_summary(lineage).model_dump(mode="json"), indent=2))
     else:
         print_lineage(lineage)
 
 
 def make_tracker():
     """The MLflow tracker on the configured store (None if tracking is disabled)."""
-    from pipeline.registry.tracking import MLflowTracker
 
     return MLflowTracker.from_settings()
 
@@ -163,7 +144,7 @@ def make_tracker():
 def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flows import advance_generation
+    from flows import advance_generation  # lazy: imports prefect
 
     with Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -190,49 +171,28 @@ def run_advance(generations: int, config: Any) -> list[dict[str, Any]]:
             typer.echo(f"generation {outcome['generation']}: {outcome['status']} — {outcome['decision']}")
             found = next(
                 (
-                    r["discovery"]
-                    for r in lineage_rows(config.lineage)
-                    if r["generation"] == outcome["generation"]
+                    g.discovery
+                    for g in lineage_summary(config.lineage).generations
+                    if g.number == outcome["generation"]
                 ),
                 {},
             )
-            if any(d.get("found") for d in found.values()):
+            if any(d.found for d in found.values()):
                 typer.echo("  discovery: " + describe_discovery(found))
             outcomes.append(outcome)
     return outcomes
 
 
 @app.command("advance")
+@with_config(AdvanceConfig, names=ADVANCE_FLAGS)
 def advance_cmd(
+    config: AdvanceConfig,
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles to run.")] = 1,
-    lineage: LineageOpt = "main",
-    prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
-    samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
-    collect: Annotated[
-        bool,
-        typer.Option(
-            help="Practise on the task source; --no-collect learns from served and ingested experience only."
-        ),
-    ] = AdvanceConfig.collect,
-    codesign: Annotated[
-        bool, typer.Option(help="Try harness variants with the new adapters.")
-    ] = AdvanceConfig.codesign,
-    seed: Annotated[
-        int, typer.Option(help="Seed of sampling, data order and initialisation.")
-    ] = AdvanceConfig.seed,
 ) -> None:
     """Build the next generation(s) from the champion; promote each only if it beats its parent."""
-    config = AdvanceConfig(
-        lineage=lineage,
-        prompts_per_specialist=prompts,
-        samples_per_prompt=samples,
-        collect=collect,
-        codesign=codesign,
-        seed=seed,
-    )
-    ensure_base_model(lineage)
+    ensure_base_model(config.lineage)
     run_advance(generations, config)
-    print_lineage(lineage)
+    print_lineage(config.lineage)
 
 
 def ensure_base_model(lineage: str) -> None:
@@ -240,10 +200,6 @@ def ensure_base_model(lineage: str) -> None:
     from pathlib import Path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from pipeline.registry import get_champion, get_engine, session_scope
-    from pipeline.settings import apply_torch_threads
-    from pipeline.specs.modelspec import ModelSpec
 
     apply_torch_threads()
 
@@ -257,8 +213,6 @@ def ensure_base_model(lineage: str) -> None:
         return
     if spec.base.tiny is None:
         raise RatchetError(f"base model directory {path} is missing (no config.json)")
-    from pipeline.environment import training_corpus
-    from pipeline.environment.tinymodel import build_tiny_model
 
     config = spec.base.tiny.to_tiny_model_config()
     with Progress(
@@ -286,8 +240,6 @@ def promote_cmd(
     reason: Annotated[str, typer.Option(help="Why (kept in the audit log).")] = "manual override",
 ) -> None:
     """Make GENERATION the champion by hand (audited); refused when it makes no sense."""
-    from pipeline.loop.promotion import sync_champion_aliases
-    from pipeline.registry import get_engine, get_generation, promote_generation, session_scope
 
     with session_scope(get_engine()) as session:
         gen = get_generation(session=session, number=generation, lineage=lineage)
@@ -304,8 +256,6 @@ def promote_cmd(
 @app.command("rollback")
 def rollback_cmd(lineage: LineageOpt = "main") -> None:
     """Retire the champion and restore its parent (audited)."""
-    from pipeline.loop.promotion import sync_champion_aliases
-    from pipeline.registry import get_engine, rollback_champion, session_scope
 
     with session_scope(get_engine()) as session:
         number = rollback_champion(session=session, lineage=lineage, actor="cli").number
@@ -321,8 +271,6 @@ def abandon_cmd(
     ] = "abandoned by the operator",
 ) -> None:
     """Fail the lineage's in-flight candidate (audited); the next `ratchet advance` starts a new one."""
-    from pipeline.registry import get_engine, session_scope
-    from pipeline.registry.generations import abandon_generation
 
     if not reason.strip() or len(reason) > MAX_REASON:
         raise RatchetError(f"--reason: give one, of at most {MAX_REASON} characters")
@@ -339,48 +287,41 @@ def abandon_cmd(
 @app.command("sync-aliases")
 def sync_aliases_cmd(lineage: LineageOpt = "main") -> None:
     """Point MLflow's `champion` aliases at the registry's champion (after MLflow was unreachable)."""
-    from pipeline.loop.promotion import sync_champion_aliases
 
     count = sync_champion_aliases(lineage=lineage, tracker=make_tracker)
     typer.echo(f"{count} champion alias(es) of {lineage!r} match the registry")
 
 
 @app.command("demo")
+@with_config(AdvanceConfig, names=ADVANCE_FLAGS)
 def demo_cmd(
+    config: AdvanceConfig,
     generations: Annotated[int, typer.Option(min=1, help="Advancement cycles.")] = 5,
-    prompts: PromptsOpt = AdvanceConfig.prompts_per_specialist,
-    samples: SamplesOpt = AdvanceConfig.samples_per_prompt,
-    seed: Annotated[int, typer.Option(help="Seed of the run.")] = AdvanceConfig.seed,
-    lineage: LineageOpt = "main",
 ) -> None:
     """The whole loop on embedded defaults: build the tiny base, register generation 0, advance, show the lineage."""
     import time
 
-    from pipeline.cli.core import REPO_ROOT as root
-    from pipeline.loop.founding import init_lineage
-    from pipeline.settings import get_settings
+    lineage = config.lineage
 
     started = time.perf_counter()
     settings = get_settings()
+    demo = demo_specs()
     result = init_lineage(
-        contract_path=root / "contracts" / "demo.yaml",
-        harness_path=root / "harnesses" / "demo.yaml",
-        model_path=root / "models" / "tiny.yaml",
+        contract_path=demo["contract"],
+        harness_path=demo["harness"],
+        model_path=demo["model"],
         lineage=lineage,
     )
     typer.echo(result.describe())
     ensure_base_model(lineage)
-    config = AdvanceConfig(
-        lineage=lineage, prompts_per_specialist=prompts, samples_per_prompt=samples, seed=seed
-    )
     run_advance(generations, config)
     print_lineage(lineage)
-    rows = [r for r in lineage_rows(lineage) if r["overall"] is not None]
+    rows = [r for r in lineage_summary(lineage).generations if r.overall is not None]
     if rows:
-        first, best = rows[0], max(rows, key=lambda r: r["overall"] if r["status"] == "promoted" else -1)
+        first, best = rows[0], max(rows, key=lambda r: r.overall if r.status == "promoted" else -1)
         typer.echo(
-            f"held-out contract score: generation {first['generation']} {first['overall']:.3f} -> "
-            f"champion (generation {best['generation']}) {best['overall']:.3f}"
+            f"held-out contract score: generation {first.number} {first.overall:.3f} -> "
+            f"champion (generation {best.number}) {best.overall:.3f}"
         )
     typer.echo(f"demo finished in {time.perf_counter() - started:.0f}s. Next:")
     typer.echo("  ratchet lineage --json                       # the lineage as JSON")

@@ -8,7 +8,26 @@ from typing import Any
 
 import typer
 
+from pipeline.cli.advance import ensure_base_model
 from pipeline.cli.app import app
+from pipeline.errors import NotFoundError, RatchetError
+from pipeline.gates.suites import suite_problems
+from pipeline.loop.adoption import adopt_contract
+from pipeline.loop.founding import require_clean_tasks
+from pipeline.modeling.probes import check_template, spec_dirs, spec_tokenizer
+from pipeline.scoring import TOTAL, score_trace, summarise_results
+from pipeline.specs.compatibility import check_harness
+from pipeline.specs.contract import ContractSpec, load_contract, verify_files
+from pipeline.specs.harness import HarnessSpec, load_harness
+from pipeline.specs.loading import (
+    SpecError,
+    SpecIssue,
+    content_hash,
+    parse_yaml,
+    read_spec_text,
+    validate_spec_text,
+)
+from pipeline.specs.modelspec import ModelSpec, load_model_spec
 
 contract_app = typer.Typer(
     help="HCP contracts, harnesses and model specs: lint, JSON Schemas, dry-run scoring.",
@@ -26,9 +45,6 @@ _DIRS = {"contracts": "contract", "harnesses": "harness", "models": "model"}
 
 
 def _model_for(kind: str) -> type:
-    from pipeline.specs.contract import ContractSpec
-    from pipeline.specs.harness import HarnessSpec
-    from pipeline.specs.modelspec import ModelSpec
 
     return {"contract": ContractSpec, "harness": HarnessSpec, "model": ModelSpec}[kind]
 
@@ -44,10 +60,6 @@ def detect_kind(path: Path, data: Any) -> str | None:
 
 def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[list[str], Any, str | None]:
     """Lint one file: (issues as printable lines, the loaded spec or None, the kind)."""
-    from pipeline.errors import RatchetError
-    from pipeline.specs.compatibility import check_harness
-    from pipeline.specs.contract import verify_files
-    from pipeline.specs.loading import SpecError, SpecIssue, parse_yaml, read_spec_text, validate_spec_text
 
     try:
         text = read_spec_text(path)  # bounded: a huge file is refused before it is read whole
@@ -67,13 +79,10 @@ def lint_file(path: Path, *, kind: str = "auto", contract: Any = None) -> tuple[
         return [str(i) for i in exc.issues], None, kind
     issues: list[str] = []
     if kind == "contract":
-        from pipeline.gates.suites import suite_problems
-
         # linted as a contract a lineage starts on: every specialist is judged by a suite or says it is not
         issues += [f"{path}: {problem}" for problem in spec.ungated_problems()]
         try:
             verify_files(spec, path)
-            from pipeline.loop.founding import require_clean_tasks
 
             require_clean_tasks(spec, contract_path=path)  # generators exist, task files parse, none held out
             issues += [f"{path}: {problem}" for problem in suite_problems(spec, contract_path=path)]
@@ -102,9 +111,6 @@ def lint(
     """Validate spec files; print every problem as `file:line: field: message`. With a model spec among the
     files (or `--model`), every harness among them is probed through the model's chat template as `ratchet
     init` does (a system prompt, a tool result, the exemplars, several calls in one reply)."""
-    from pipeline.errors import RatchetError
-    from pipeline.specs.contract import load_contract
-    from pipeline.specs.loading import content_hash
 
     if kind not in (*KINDS, "auto"):
         raise RatchetError(f"--kind must be one of contract, harness, model, auto (got {kind!r})")
@@ -122,8 +128,6 @@ def lint(
         label = f"{spec.name} {version}" if version is not None else spec.name
         typer.echo(f"ok {path} ({label} {content_hash(spec)[:12]})")
     if model_file is not None:
-        from pipeline.specs.modelspec import load_model_spec
-
         loaded.append((model_file, load_model_spec(model_file), "model"))
     failed += probe_templates(
         [(p, s) for p, s, k in loaded if k == "model"], [s for _, s, k in loaded if k == "harness"]
@@ -136,8 +140,6 @@ def lint(
 def probe_templates(models: list[tuple[Path, Any]], harnesses: list[Any]) -> int:
     """Probe every harness through every model's chat template (``probes.check_template``); print one line
     per refusal or warning and an ``ok`` line per pair that passes; return the number of refusals."""
-    from pipeline.errors import RatchetError
-    from pipeline.modeling.probes import check_template, spec_dirs, spec_tokenizer
 
     refused = 0
     for path, model in models if harnesses else []:
@@ -170,7 +172,6 @@ def schema(
     kind: str = typer.Option("contract", "--kind", help="contract | harness | model."),
 ) -> None:
     """Print the JSON Schema of a spec kind (for editor completion and validation)."""
-    from pipeline.errors import RatchetError
 
     if kind not in KINDS:
         raise RatchetError(f"--kind must be one of {', '.join(KINDS)} (got {kind!r})")
@@ -179,7 +180,6 @@ def schema(
 
 def read_traces(path: Path) -> list[dict[str, Any]]:
     """Read a JSONL file of traces; a bad line raises ``RatchetError`` naming its line number."""
-    from pipeline.errors import NotFoundError, RatchetError
 
     if not path.is_file():
         raise NotFoundError(f"{path}: traces file not found")
@@ -218,11 +218,6 @@ def score(
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
-
-    from pipeline.errors import RatchetError
-    from pipeline.scoring import TOTAL, score_trace, summarise_results
-    from pipeline.specs.contract import load_contract
-    from pipeline.specs.harness import load_harness
 
     contract = load_contract(contract_file)
     harness = load_harness(harness_file) if harness_file is not None else None
@@ -292,10 +287,6 @@ def adopt(
     become retention suites, experience is scored under it, the champion is re-evaluated on its suites and
     moves to it (audited); the next `ratchet advance` builds and judges candidates under it."""
     from rich.progress import Progress
-
-    from pipeline.cli.advance import ensure_base_model
-    from pipeline.errors import RatchetError
-    from pipeline.loop.adoption import adopt_contract
 
     if not reason.strip() or len(reason) > 500:
         raise RatchetError("--reason: give one, of at most 500 characters")

@@ -9,18 +9,30 @@ import typer
 
 from pipeline.cli.app import app
 from pipeline.errors import RatchetError
+from pipeline.experience.ingest import ingest_file
 from pipeline.experience.principals import OPERATOR
+from pipeline.loop.founding import init_lineage
+from pipeline.registry import (
+    current_revision,
+    downgrade_db,
+    get_champion,
+    get_contract_version,
+    get_engine,
+    get_generation,
+    session_scope,
+    upgrade_db,
+)
+from pipeline.scoring import score_experience
+from pipeline.settings import get_settings
+from pipeline.shipped import demo_specs
 
 db_app = typer.Typer(
     help="Create, upgrade or downgrade the registry's schema (Alembic migrations).", no_args_is_help=True
 )
 app.add_typer(db_app, name="db")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-
 
 def _settings():
-    from pipeline.settings import get_settings
 
     settings = get_settings()
     settings.ensure_home()
@@ -30,7 +42,6 @@ def _settings():
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Apply migrations up to REVISION (default: head)."""
-    from pipeline.registry import current_revision, upgrade_db
 
     url = _settings().registry_url
     upgrade_db(url, revision)
@@ -42,7 +53,6 @@ def db_downgrade(
     revision: Annotated[str, typer.Argument(help="Target revision, or 'base' to drop every table.")],
 ) -> None:
     """Revert migrations down to REVISION."""
-    from pipeline.registry import current_revision, downgrade_db
 
     url = _settings().registry_url
     downgrade_db(url, revision)
@@ -54,8 +64,6 @@ def db_current() -> None:
     """Print the registry's URL and schema revision."""
     from sqlalchemy.engine import make_url
 
-    from pipeline.registry import current_revision
-
     url = _settings().registry_url
     typer.echo(
         f"{make_url(url).render_as_string(hide_password=True)} at revision {current_revision(url) or 'base'}"
@@ -64,17 +72,27 @@ def db_current() -> None:
 
 @app.command("init")
 def init(
-    contract: Annotated[Path, typer.Option(help="HCP contract YAML.")] = REPO_ROOT
-    / "contracts"
-    / "demo.yaml",
-    harness: Annotated[Path, typer.Option(help="Harness YAML.")] = REPO_ROOT / "harnesses" / "demo.yaml",
-    model: Annotated[Path, typer.Option(help="Model spec YAML.")] = REPO_ROOT / "models" / "tiny.yaml",
+    contract: Annotated[
+        Path | None, typer.Option(help="HCP contract YAML (default: the shipped demo contract).")
+    ] = None,
+    harness: Annotated[
+        Path | None, typer.Option(help="Harness YAML (default: the shipped demo harness).")
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Model spec YAML (default: the shipped tiny model spec).")
+    ] = None,
     lineage: Annotated[str, typer.Option(help="Lineage name.")] = "main",
 ) -> None:
-    """Register a contract, harness and base model, and create generation 0 (the first champion)."""
-    from pipeline.loop.founding import init_lineage
+    """Create the home (RATCHET_HOME) if needed, register a contract, harness and base model, and create
+    generation 0 (the first champion)."""
 
-    result = init_lineage(contract_path=contract, harness_path=harness, model_path=model, lineage=lineage)
+    demo = demo_specs()
+    result = init_lineage(
+        contract_path=contract or demo["contract"],
+        harness_path=harness or demo["harness"],
+        model_path=model or demo["model"],
+        lineage=lineage,
+    )
     typer.echo(result.describe())
 
 
@@ -98,9 +116,6 @@ def ingest(
     """Stream traces into the registry; malformed lines are quarantined with their line number and reason.
     Ingest is the operator's trusted path: the traces' metadata, ratings and corrections count as given."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-    from pipeline.experience.ingest import ingest_file
-    from pipeline.registry import get_champion, get_engine, get_generation, session_scope
 
     engine = get_engine()
     gen_id = harness_id = None
@@ -153,9 +168,6 @@ def score(
 ) -> None:
     """Score every unscored trace under a contract version; earlier versions' scores are kept."""
     from rich.progress import Progress
-
-    from pipeline.registry import get_champion, get_contract_version, get_engine, session_scope
-    from pipeline.scoring import score_experience
 
     engine = get_engine()
     with session_scope(engine) as session:

@@ -7,6 +7,10 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import app
+from pipeline.dashboard import create_app
+from pipeline.dashboard.webapp import LOOPBACK_HOSTS
+from pipeline.errors import RatchetError
+from pipeline.settings import get_settings
 
 
 @app.command("dashboard")
@@ -34,11 +38,6 @@ def dashboard(
     presents the token (bearer, or the login form)."""
     import uvicorn
 
-    from pipeline.dashboard import create_app
-    from pipeline.dashboard.webapp import LOOPBACK_HOSTS
-    from pipeline.errors import RatchetError
-    from pipeline.settings import get_settings
-
     if host in ("0.0.0.0", "::") and not allow_host:
         raise RatchetError(
             f"--host {host} listens on every interface: name the host browsers will use with --allow-host "
@@ -46,6 +45,7 @@ def dashboard(
         )
     hosts = [*LOOPBACK_HOSTS, *(allow_host or []), *([] if host in ("0.0.0.0", "::") else [host])]
     settings = get_settings()
+    settings.ensure_home()  # no home here: say so (`ratchet init` makes it) instead of opening an empty one
     web = create_app(settings, lineage_name=lineage, allowed_hosts=hosts, trusted_proxies=trusted_proxy or ())
     if host not in LOOPBACK_HOSTS:
         typer.echo(

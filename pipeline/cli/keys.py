@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import app
-from pipeline.experience.principals import SCOPES
+from pipeline.experience.principals import OPERATOR, SCOPES, parse_scopes
+from pipeline.registry import create_api_key, get_engine, list_api_keys, revoke_api_key, session_scope
+from pipeline.settings import get_settings
 
 keys_app = typer.Typer(
     help="API keys of `ratchet serve`: each key is a principal with scopes (chat, certify, rate, correct, admin).",
@@ -18,8 +20,6 @@ app.add_typer(keys_app, name="keys")
 
 
 def _session():  # noqa: ANN202 - a context manager from the registry
-    from pipeline.registry import get_engine, session_scope
-    from pipeline.settings import get_settings
 
     get_settings().ensure_home()
     return session_scope(get_engine())
@@ -33,8 +33,6 @@ def create(
     scope: Annotated[str, typer.Option(help=f"Comma-separated scopes: {', '.join(SCOPES)}.")] = "chat",
 ) -> None:
     """Create a key and print it (shown once: the registry keeps only its sha256)."""
-    from pipeline.experience.principals import OPERATOR, parse_scopes
-    from pipeline.registry import create_api_key
 
     scopes = parse_scopes(scope)
     with _session() as session:
@@ -48,7 +46,6 @@ def list_keys(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array.")] = False,
 ) -> None:
     """Every key by name, with its scopes and whether it is revoked (never its value)."""
-    from pipeline.registry import list_api_keys
 
     with _session() as session:
         rows = [
@@ -73,8 +70,6 @@ def list_keys(
 @keys_app.command("revoke")
 def revoke(name: Annotated[str, typer.Argument(help="The key's name.")]) -> None:
     """Revoke a key: a running server refuses it within seconds. Its name stays taken."""
-    from pipeline.experience.principals import OPERATOR
-    from pipeline.registry import revoke_api_key
 
     with _session() as session:
         revoke_api_key(session=session, name=name, actor=OPERATOR)

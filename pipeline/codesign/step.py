@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from pipeline.experience.eligibility import eligible_examples, lineage_candidates
+from pipeline.experience.eligibility import validation_items as experience_items
+from pipeline.experience.toolcalls import tools_problem
+from pipeline.gates.answers import score_pair
 from pipeline.loop.candidate import (
     AdvanceConfig,
     Progress,
@@ -17,6 +21,14 @@ from pipeline.loop.candidate import (
     mark_step,
     step_seed,
 )
+from pipeline.modeling.pair import cached_model, offered_tools, pair_for_generation
+from pipeline.modeling.prompting import render_messages
+from pipeline.modeling.templating import TemplateError, encode_prompt
+from pipeline.registry import get_engine, register_harness, session_scope
+from pipeline.specs.compatibility import check_harness
+from pipeline.specs.contract import file_reader
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.tasksource import draw, task_sources
 
 if TYPE_CHECKING:
     from pipeline.experience.eligibility import Candidate
@@ -30,7 +42,6 @@ REFUSED = "the chat template refuses the prompt"
 def well_formed(candidates: list[Candidate], skipped: dict[str, int]) -> list[Candidate]:
     """The candidates whose ``metadata.tools`` a chat template can be given (``toolcalls.tools_problem``);
     the rest are counted in ``skipped``: a client's malformed tools never stop co-design."""
-    from pipeline.experience.toolcalls import tools_problem
 
     kept = [c for c in candidates if not tools_problem((c.metadata or {}).get("tools"))]
     if len(kept) < len(candidates):
@@ -41,9 +52,6 @@ def well_formed(candidates: list[Candidate], skipped: dict[str, int]) -> list[Ca
 def refusal(pair: PairSpec, specialist: str, item: dict[str, Any]) -> str | None:
     """Why the pair's chat template cannot encode ``item``'s prompt under its harness, as ``pair.answer_items``
     builds it (None: it can)."""
-    from pipeline.modeling.pair import cached_model, offered_tools
-    from pipeline.modeling.prompting import render_messages
-    from pipeline.modeling.templating import TemplateError, encode_prompt
 
     _, tokenizer = cached_model(
         pair.base_dir, pair.adapters[specialist], where=pair.where, tokenizer_dir=pair.tokenizer_dir
@@ -80,10 +88,6 @@ def validation_items(
     """Items to choose among harness variants on (never the held-out suites): each specialist's task source's
     validation split, or for a specialist without one the validation slice of its verified experience
     (``eligibility.validation_items``), which curation keeps out of training."""
-    from pipeline.experience.eligibility import validation_items as experience_items
-    from pipeline.specs.contract import file_reader
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.tasksource import draw, task_sources
 
     sources = task_sources(contract, read=file_reader(contract))
     index = heldout_index(contract)
@@ -100,13 +104,9 @@ def codesign_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Evaluate harness variants with the candidate's adapters on validation items; keep the best pair."""
-    from pipeline.codesign.operators import propose_variants
-    from pipeline.experience.eligibility import eligible_examples, lineage_candidates
-    from pipeline.gates.answers import score_pair
-    from pipeline.modeling.pair import pair_for_generation
-    from pipeline.registry import get_engine, register_harness, session_scope
-    from pipeline.specs.compatibility import check_harness
-    from pipeline.specs.heldout import heldout_index
+    from pipeline.codesign.operators import (
+        propose_variants,  # lazy: looked up per call: tests replace propose_variants
+    )
 
     engine = get_engine()
     with session_scope(engine) as session:

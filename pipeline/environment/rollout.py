@@ -10,6 +10,8 @@ from typing import Any
 
 from pipeline.environment.tasks import completion_trace
 from pipeline.environment.verify import verify
+from pipeline.modeling.decoding import SamplingConfig, generate
+from pipeline.modeling.templating import encode_prompt
 
 
 @dataclass
@@ -54,8 +56,6 @@ def collect(
     """Sample ``num_samples`` completions per training item, verify each, keep the verified ones as traces
     (``metadata.verified = True``; ``dedupe`` keeps one per distinct (item, completion)). Refuses
     held-out items: they never enter a training stream."""
-    from pipeline.modeling.decoding import SamplingConfig, generate
-    from pipeline.modeling.templating import encode_prompt
 
     if any(item["metadata"].get("split") == "heldout" for item in items):
         raise ValueError("collect() got held-out items; held-out items never enter a training set")
@@ -100,8 +100,6 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
     """Greedy accuracy of the model on ``suite`` (held-out items), by the environment's verifiers."""
-    from pipeline.modeling.decoding import SamplingConfig, generate
-    from pipeline.modeling.templating import encode_prompt
 
     config = SamplingConfig(
         temperature=0.0, num_samples=1, max_new_tokens=max_new_tokens, batch_size=batch_size

@@ -33,6 +33,7 @@ import random
 from typing import Any
 
 from pipeline.environment.toolbox import TOOLS, format_compact_call
+from pipeline.experience.toolcalls import answered_trace
 
 FAMILIES: tuple[str, ...] = ("chat", "agent", "coding", "genui")
 LOW, HIGH = 10, 99
@@ -120,7 +121,6 @@ def reference_answer(item: dict[str, Any]) -> str:
 
 def completion_trace(item: dict[str, Any], completion_text: str) -> dict[str, Any]:
     """The full trace of ``item`` answered with ``completion_text`` (the tiny model writes compact calls)."""
-    from pipeline.experience.toolcalls import answered_trace
 
     return answered_trace(item, completion_text, fmt="compact")
 

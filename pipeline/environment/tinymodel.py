@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.environment import training_corpus
+from pipeline.modeling.packing import packed_tensors
+from pipeline.modeling.templating import RowSkipped, encode_chat
 from pipeline.specs.loading import content_hash
 
 log = logging.getLogger(__name__)
@@ -116,9 +119,6 @@ def build_tiny_model(
     """
     import torch
     from transformers import LlamaForCausalLM
-
-    from pipeline.modeling.packing import packed_tensors
-    from pipeline.modeling.templating import RowSkipped, encode_chat
 
     seed = config.seed if seed is None else seed
     if any(t.get("metadata", {}).get("split") == "heldout" for t in corpus_texts):
@@ -215,8 +215,6 @@ def ensure_tiny_model(
     if tiny_model_built(target, config):
         return target
     if corpus_texts is None:
-        from pipeline.environment import training_corpus
-
         corpus = training_corpus(config.corpus_size, config.seed)
     else:
         corpus = corpus_texts() if callable(corpus_texts) else corpus_texts

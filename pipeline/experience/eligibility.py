@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline.experience.principals import INSIDE
+from pipeline.registry.models import Experience, Generation, Score
+from pipeline.scoring import corrected_trace
 from pipeline.scoring.trace import FINAL
+from pipeline.specs.heldout import heldout_index
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from pipeline.registry import Generation
     from pipeline.specs.contract import ContractSpec
     from pipeline.specs.heldout import HeldoutIndex
 
@@ -144,8 +146,6 @@ def accepted_correction(candidate: Candidate, contract: ContractSpec) -> list[di
         return None
     if rules.trusted_corrections is not None and candidate.corrector() not in rules.trusted_corrections:
         return None
-    from pipeline.scoring import corrected_trace
-    from pipeline.specs.heldout import heldout_index
 
     corrected = corrected_trace({"messages": candidate.messages, "feedback": candidate.feedback})
     if corrected is None:
@@ -199,8 +199,6 @@ def load_candidates(
     consumer); none from an evaluation run. Whether a check failed on the final turn is each consumer's
     decision (``Candidate.passed``): a preference pair's other side may have failed one."""
     from sqlalchemy import case, func, or_, select
-
-    from pipeline.registry.models import Experience, Generation, Score
 
     threshold = contract.selection.min_score if min_score is None else min_score
     join = (
@@ -289,7 +287,6 @@ def lineage_candidates(
     specialists: list[str] | None = None,
 ) -> tuple[list[Candidate], Drops]:
     """``load_candidates`` for a generation's lineage under its contract version."""
-    from pipeline.specs.heldout import heldout_index
 
     return load_candidates(
         session=session,
@@ -309,7 +306,6 @@ def eligible_examples(
     accepted correction: what co-design's exemplars and the router learn from (curation adds dedup and
     caps). The validation slice of specialists without a task source is left out (``validation=True``:
     only that slice, what co-design validates on)."""
-    from pipeline.specs.heldout import heldout_index
 
     share = contract.selection.validation_share
     sliced = {s for s, entry in contract.specialists.items() if entry.tasks is None}

@@ -25,7 +25,15 @@ from pipeline.errors import NotFoundError, RatchetError
 from pipeline.experience.principals import LOOP, OPERATOR
 from pipeline.experience.principals import NAME as PRINCIPAL_NAME
 from pipeline.experience.toolcalls import normalize_tool_calls, tools_problem
-from pipeline.registry.experience import ANY_CONTENT, SOURCES, TraceRow, line_key
+from pipeline.registry.experience import (
+    ANY_CONTENT,
+    SOURCES,
+    TraceRow,
+    insert_traces,
+    line_key,
+    quarantine_lines,
+    quarantined_lines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +378,6 @@ def ingest_file(
     ``operator`` (the default: the operator's own) or the outside party they came from (``--principal``),
     whose share of a specialist's dataset the contract caps (``selection.max_share_per_principal``).
     """
-    from pipeline.registry.experience import insert_traces, quarantine_lines, quarantined_lines
 
     path = Path(path)
     if not path.is_file():

@@ -31,8 +31,17 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.experience.eligibility import (
+    Drops,
+    accepted_correction,
+    cap_principal_share,
+    excluded,
+    in_validation_slice,
+    prompt_key,
+)
+
 if TYPE_CHECKING:
-    from pipeline.experience.eligibility import Candidate, Drops
+    from pipeline.experience.eligibility import Candidate
     from pipeline.specs.contract import ContractSpec
     from pipeline.specs.heldout import HeldoutIndex
 
@@ -91,15 +100,7 @@ def preference_pairs(
     max_pairs: dict[str, int],
 ) -> PairResult:
     """Preference rows per specialist from verified experience (see the module doc)."""
-    from pipeline.experience.eligibility import (
-        Drops,
-        accepted_correction,
-        cap_principal_share,
-        excluded,
-        in_validation_slice,
-        prompt_key,
-    )
-    from pipeline.serving.turns import STOPPED
+    from pipeline.serving.turns import STOPPED  # lazy: imports fastapi
 
     rules = contract.selection
     wanted = set(specialists)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.loop.clock import CLOCK
+from pipeline.modeling.pair import answer_items
+from pipeline.scoring import score_trace
 
 if TYPE_CHECKING:
     from pipeline.modeling.pair import PairSpec
@@ -31,11 +34,19 @@ def score_pair(
 ) -> dict[str, list[float]]:
     """Greedy answers of the pair on the items, each item's final-turn score under the contract (unscored =
     0: a report or a choice among harness variants, never the promotion gate, which uses ``score_both``)."""
-    answered = answer_suites(pair, items, progress=progress)
-    return {
-        s: [item_score(contract, t, harness=pair.harness, specialist=s).value or 0.0 for t in traces]
-        for s, traces in answered.items()
-    }
+    return score_answers(contract, pair.harness, answer_suites(pair, items, progress=progress))
+
+
+def score_answers(
+    contract: ContractSpec, harness: HarnessSpec, answered: dict[str, list[dict[str, Any]]]
+) -> dict[str, list[float]]:
+    """Per specialist, each answered trace's final-turn score (unscored = 0), timed as contract scoring."""
+
+    with CLOCK.measure("score"):
+        return {
+            s: [item_score(contract, t, harness=harness, specialist=s).value or 0.0 for t in traces]
+            for s, traces in answered.items()
+        }
 
 
 def answer_suites(
@@ -45,7 +56,6 @@ def answer_suites(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """The pair's greedy answer to every item: per specialist, one trace per item."""
-    from pipeline.modeling.pair import answer_items
 
     answered = answer_items(pair, items, num_samples=1, temperature=0.0, progress=progress)
     return {s: [trace for (trace,) in traces] for s, traces in answered.items()}
@@ -73,7 +83,6 @@ def item_score(
     made of the other scorers alone, unlike the same item's total on the other pair. A scorer that does not
     apply (None without an error) leaves an item scored; a scorer that crashed scores 0 with its error
     (``run_scorer`` fails closed), which is a score."""
-    from pipeline.scoring import score_trace
 
     final = score_trace(contract, trace, harness=harness, specialist=specialist).final
     if final is None or final.total is None:
@@ -97,7 +106,6 @@ def score_both(
     """Both pairs' answers (``(harness, answer_suites(...))`` each) scored item by item, interleaved --
     champion's item 1, candidate's item 1, champion's item 2, ... -- so a scorer that fails for a while (a
     judge that goes down and comes back) fails on both sides of the same items, never on one pair's half."""
-    from pipeline.loop.clock import CLOCK
 
     (champ_harness, champ), (cand_harness, cand) = champion, candidate
     out: dict[str, list[tuple[ItemScore, ItemScore]]] = {}

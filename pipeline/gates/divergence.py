@@ -19,6 +19,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from pipeline.loop.clock import CLOCK
+from pipeline.modeling.pair import cached_model, offered_tools
+from pipeline.modeling.prompting import render_messages
+from pipeline.modeling.templating import RowSkipped, encode_chat
+
 if TYPE_CHECKING:
     from pipeline.modeling.pair import PairSpec
 
@@ -34,9 +39,6 @@ def answer_examples(
     """``(ids, labels)`` of each answered trace as the candidate's model saw it: the harness's rendering of
     the prompt, then the answer (labels on the answer's tokens only); traces that cannot be encoded are
     skipped."""
-    from pipeline.modeling.pair import offered_tools
-    from pipeline.modeling.prompting import render_messages
-    from pipeline.modeling.templating import RowSkipped, encode_chat
 
     fmt = candidate.harness.tool_call_format
     tools = offered_tools(candidate.harness, specialist)
@@ -94,7 +96,6 @@ def specialist_divergence(
 ) -> dict[str, Any] | None:
     """``{"kl_to_base", "kl_to_parent", "tokens", "items", "seconds"}`` for one specialist (None when no
     trace could be encoded)."""
-    from pipeline.modeling.pair import cached_model
 
     started = time.perf_counter()
     mine, theirs = candidate.adapters.get(specialist), parent.adapters.get(specialist)
@@ -114,12 +115,14 @@ def specialist_divergence(
         0, len(examples), CHUNK
     ):  # [tokens, vocab] per chunk: bounded memory on large vocabularies
         chunk = examples[at : at + CHUNK]
-        p_log = answer_logprobs(model, chunk, pad)
-        tokens += int(p_log.shape[0])
-        if base is not None:
-            to_base += kl_sum(p_log, answer_logprobs(base, chunk, pad))
-        if up is not None:
-            to_parent += kl_sum(p_log, answer_logprobs(up, chunk, pad))
+        # model compute (teacher-forced forwards), as bench/overhead.py counts it
+        with CLOCK.measure("forward"):
+            p_log = answer_logprobs(model, chunk, pad)
+            tokens += int(p_log.shape[0])
+            if base is not None:
+                to_base += kl_sum(p_log, answer_logprobs(base, chunk, pad))
+            if up is not None:
+                to_parent += kl_sum(p_log, answer_logprobs(up, chunk, pad))
     if theirs is None:
         to_parent = to_base
     to_base, to_parent = to_base / max(tokens, 1), to_parent / max(tokens, 1)

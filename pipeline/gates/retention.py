@@ -21,7 +21,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pipeline.gates.answers import answer_suites, check_unscored, paired_values, score_both
-from pipeline.gates.suites import compared_groups
+from pipeline.gates.divergence import measure_divergence
+from pipeline.gates.suites import compared_groups, item_keys
+from pipeline.registry import Generation, get_engine, session_scope
+from pipeline.registry.ledger import spend
+from pipeline.specs.heldout import resolve_retention, suite_sha256
 
 if TYPE_CHECKING:
     from pipeline.modeling.pair import PairSpec
@@ -45,7 +49,6 @@ def evaluate_suite(
     under ``suite.scored_as`` (or the specialist's own scorers). The stored record of the suite (without the
     ledger's attempt): paired per-item scores of the items scored on both pairs, their groups when any item
     has one, how many were left out, the tolerance, the error rate and the suite's content hash."""
-    from pipeline.specs.heldout import suite_sha256
 
     scorer = suite.scored_as or suite.specialist
     report = (
@@ -91,7 +94,6 @@ def evaluate_retention(
     """``evaluation["retention"]``: every retention suite whose specialist the candidate serves, by name (a
     suite of a specialist the lineage does not serve is skipped, with a log line). ``resolved``: the suites'
     items (``resolve_retention``'s), when the caller has them already."""
-    from pipeline.specs.heldout import resolve_retention
 
     if not contract.retention:
         return {}
@@ -115,9 +117,6 @@ def spend_retention(
     """The attempt ``j`` of each suite's non-inferiority test, from the registry's spending ledger (every
     earlier generation, of any lineage or contract version, whose non-inferiority or retention tests used
     any of the suite's items; ``items``: suite name -> its resolved items, ``resolve_retention``'s)."""
-    from pipeline.gates.suites import item_keys
-    from pipeline.registry import Generation, get_engine, session_scope
-    from pipeline.registry.ledger import spend
 
     if not retention:
         return {}
@@ -147,8 +146,6 @@ def forgetting(
     the retention suites' attempts added to ``attempts`` (the held-out tests' ones, kept), and
     ``divergence`` (per specialist, the candidate's KL to the base and to its parent, teacher-forced on its
     greedy held-out ``answers``)."""
-    from pipeline.gates.divergence import measure_divergence
-    from pipeline.specs.heldout import resolve_retention
 
     items = resolve_retention(contract) if contract.retention else {}  # answered, and counted by the ledger
     retention = evaluate_retention(contract, champion, candidate, resolved=items, progress=progress)

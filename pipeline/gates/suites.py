@@ -42,8 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import NotFoundError, RatchetError
 from pipeline.experience.texts import message_text, trimmed, words
+from pipeline.registry import get_engine, load_stored_file, session_scope
+from pipeline.specs.contract import stored_contract
 from pipeline.specs.heldout import Canonical, canonical_keys
-from pipeline.specs.loading import content_hash
+from pipeline.specs.loading import content_hash, file_sha256
+from pipeline.specs.tasksource import canonical_of, draw, generator_source
 
 if TYPE_CHECKING:
     from pipeline.registry import Generation
@@ -111,11 +114,8 @@ def _first_prompt(item: dict[str, Any]) -> str:
 
 def _file_text(contract_path: Path | None, name: str, digest: str) -> str:
     """A suite file's text: beside the contract file (its sha256 checked), or without one from the registry."""
-    from pipeline.specs.loading import file_sha256
 
     if contract_path is None:
-        from pipeline.registry import get_engine, load_stored_file, session_scope
-
         with session_scope(get_engine()) as session:
             return load_stored_file(session=session, sha256=digest).decode("utf-8")
     path = Path(name)
@@ -135,7 +135,6 @@ def _resolve(
     scope: str,
     contract_path: Path | None,
 ) -> ResolvedSuite:
-    from pipeline.specs.tasksource import canonical_of, draw, generator_source
 
     if suite.generator is not None:
         source = generator_source(suite.generator, specialist=suite.specialist, options=suite.options)
@@ -306,7 +305,6 @@ def require_gated(generation: Generation, *, lineage: str) -> None:
     specialist it trains that its contract gives no held-out suite without ``ungated: true``. Such a contract
     was registered before every specialist needed one; training the specialist with no gate at all and
     saying nothing is what this rule exists to stop, so the lineage must adopt a version that decides."""
-    from pipeline.specs.contract import stored_contract
 
     contract = stored_contract(generation.contract_version.spec)
     lines = ungated_lines(contract, [slot.specialist for slot in generation.adapters])

@@ -19,6 +19,9 @@ from __future__ import annotations
 from statistics import fmean
 from typing import Any
 
+from pipeline.registry import Generation, get_engine, list_generations, session_scope
+from pipeline.registry.documents import GenerationEvaluation
+
 HELDOUT, RETENTION = "heldout:", "retention:"
 
 DEFINITION = (
@@ -31,18 +34,18 @@ def _mean(values: list[float]) -> float | None:
     return round(fmean(values), 4) if values else None
 
 
-def measured(evaluation: dict[str, Any], side: str) -> dict[str, float]:
+def measured(evaluation: GenerationEvaluation | dict[str, Any], side: str) -> dict[str, float]:
     """The suite scores one evaluation measured for ``side`` (``candidate`` or ``parent``)."""
+    evaluation = GenerationEvaluation.model_validate(evaluation)
     out: dict[str, float] = {}
-    items = evaluation.get("items") or {}
-    for s, pair in items.items():
-        if (value := _mean(pair.get(side) or [])) is not None:
+    for s, pair in evaluation.items.items():
+        if (value := _mean(pair.candidate if side == "candidate" else pair.parent)) is not None:
             out[HELDOUT + s] = value
-    if not items:  # an evaluation stored before per-item scores: its means
-        scores = evaluation.get("scores" if side == "candidate" else "parent_scores") or {}
+    if not evaluation.items:  # an evaluation stored before per-item scores: its means
+        scores = evaluation.scores if side == "candidate" else evaluation.parent_scores
         out.update({HELDOUT + s: round(float(v), 4) for s, v in scores.items() if v is not None})
-    for name, record in (evaluation.get("retention") or {}).items():
-        if (value := _mean(record.get(side) or [])) is not None:
+    for name, record in evaluation.retention.items():
+        if (value := _mean(record.candidate if side == "candidate" else record.parent)) is not None:
             out[RETENTION + name] = value
     return out
 
@@ -90,7 +93,6 @@ def accuracy_matrix(generations: list[dict[str, Any]]) -> dict[str, Any]:
 def lineage_matrix(session: Any, lineage: str, gens: list[Any] | None = None) -> dict[str, Any]:
     """``accuracy_matrix`` of a lineage's generations in the registry (``gens``: already loaded), with the
     champion's number and ``DEFINITION``."""
-    from pipeline.registry import list_generations
 
     gens = list_generations(session=session, lineage=lineage) if gens is None else gens
     numbers = {g.id: g.number for g in gens}
@@ -151,7 +153,9 @@ def matrix_view(
     }
 
 
-def generation_metrics(matrix: dict[str, Any], number: int, evaluation: dict[str, Any]) -> dict[str, float]:
+def generation_metrics(
+    matrix: dict[str, Any], number: int, evaluation: GenerationEvaluation | dict[str, Any]
+) -> dict[str, float]:
     """One generation's metrics as MLflow keys: ``accuracy/<suite>``, ``backward_transfer/<suite>`` and
     ``kl_to_base/<specialist>``, ``kl_to_parent/<specialist>`` (suite names' ``:`` as ``.``: MLflow keys)."""
     out: dict[str, float] = {}
@@ -160,9 +164,11 @@ def generation_metrics(matrix: dict[str, Any], number: int, evaluation: dict[str
             out[f"accuracy/{suite.replace(':', '.')}"] = value
     for suite, value in (matrix["backward_transfer"].get(number) or {}).items():
         out[f"backward_transfer/{suite.replace(':', '.')}"] = value
-    for s, d in (evaluation.get("divergence") or {}).items():
-        out[f"kl_to_base/{s}"] = float(d["kl_to_base"])
-        out[f"kl_to_parent/{s}"] = float(d["kl_to_parent"])
+    for s, d in GenerationEvaluation.model_validate(evaluation).divergence.items():
+        if d.kl_to_base is not None:  # null: not a finite number when measured (JSON has no NaN)
+            out[f"kl_to_base/{s}"] = float(d.kl_to_base)
+        if d.kl_to_parent is not None:
+            out[f"kl_to_parent/{s}"] = float(d.kl_to_parent)
     return out
 
 
@@ -171,7 +177,6 @@ def track_generation(tracker: Any, *, lineage: str, generation_id: int) -> list[
     (whose row its evaluation may have filled) as MLflow metrics of each generation's own run
     (``MLflowTracker.log_generation_metrics``); returns the generations logged. A tracker without
     generation runs logs nothing."""
-    from pipeline.registry import Generation, get_engine, session_scope
 
     if tracker is None or not hasattr(tracker, "log_generation_metrics"):
         return []

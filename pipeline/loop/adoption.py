@@ -40,10 +40,34 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
+from pipeline.gates.answers import answer_suites, item_score
+from pipeline.gates.suites import require_counted
+from pipeline.loop.candidate import load_generation
+from pipeline.loop.founding import require_clean_exemplars, require_clean_tasks
+from pipeline.modeling.pair import pair_for_generation
+from pipeline.registry import (
+    ContractVersion,
+    audit,
+    get_champion,
+    get_engine,
+    get_in_flight,
+    register_contract,
+    session_scope,
+    store_file,
+)
+from pipeline.registry.db import hold_lock
+from pipeline.registry.documents import Adoption, evaluation_of
+from pipeline.registry.models import utcnow
+from pipeline.scoring import score_experience
+from pipeline.specs.compatibility import require_compatible
+from pipeline.specs.contract import ContractSpec, RetentionSuite, load_contract, stored_contract, verify_files
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.heldout import resolve_retention, resolve_suites
+from pipeline.specs.loading import content_hash
 
 if TYPE_CHECKING:
     from pipeline.modeling.pair import PairSpec
-    from pipeline.specs.contract import ContractSpec, HeldoutSuite, RetentionSuite
+    from pipeline.specs.contract import HeldoutSuite
 
 __all__ = [
     "AdoptionResult",
@@ -104,7 +128,6 @@ class AdoptionResult:
 def _source(suite: HeldoutSuite | RetentionSuite) -> tuple[Any, ...]:
     """What a suite's items are made of: a file's sha256, or its generator, options, seed and size (a file's
     path is not part of it: the registry keeps the bytes under their sha256)."""
-    from pipeline.specs.loading import content_hash
 
     if suite.sha256 is not None:
         return ("file", suite.specialist, suite.sha256)
@@ -135,7 +158,6 @@ def carried_suites(
     suite counts as dropped: the old items are what the champion was judged on. A retention suite of ``old``
     that ``new`` lacks is carried as it is, unless its name is in ``release`` (the operator gives it up).
     A generated ``fresh`` suite is carried as the sample of its seed."""
-    from pipeline.specs.contract import RetentionSuite
 
     released = [n for n in release if n in {r.name for r in old.retention}]
     unknown = sorted(set(release) - set(released))
@@ -199,7 +221,6 @@ def adopted_spec(
 ) -> tuple[ContractSpec, list[RetentionSuite], list[str], list[str]]:
     """``new`` with ``carried_suites(old, new)`` appended to its retention list (validated again), the suites
     added, the held-out suites kept and the retention suites released."""
-    from pipeline.specs.contract import ContractSpec
 
     carried, kept, released = carried_suites(old, new, release=release)
     missing = sorted({n for r in carried for n in (r.specialist, r.scored_as) if n} - set(new.specialists))
@@ -275,8 +296,6 @@ def evaluate_champion(
     (``evaluation.item_score``, under the suite's ``scored_as``): per specialist and per retention suite the
     mean over the items scored, overall the mean of the specialists' means (as the gate weighs them), the items
     left unscored. More than ``promotion.max_unscored_share`` unscored is refused, as evaluation refuses it."""
-    from pipeline.gates.answers import answer_suites, item_score
-    from pipeline.specs.heldout import resolve_retention, resolve_suites
 
     suites = {s: items for s, items in resolve_suites(contract, epoch=epoch).items() if s in pair.adapters}
     if not suites:
@@ -322,7 +341,6 @@ def evaluate_champion(
 # -------------------------------------------------------------------------------------------- adoption
 def _require_idle(session: Any, lineage: str) -> None:
     """A candidate in flight was begun under the current contract: adopting under it is refused."""
-    from pipeline.registry import get_in_flight
 
     in_flight = get_in_flight(session=session, lineage=lineage)
     if in_flight is not None:
@@ -335,12 +353,6 @@ def _require_idle(session: Any, lineage: str) -> None:
 def _check_file(path: Path, lineage: str) -> tuple[ContractSpec, ContractSpec, dict[str, Path], int, int]:
     """Load and check the file against the lineage (step 1 of the module doc); return the file's contract,
     the lineage's contract, the files the new one names, the champion's id and its contract version's id."""
-    from pipeline.gates.suites import require_counted
-    from pipeline.loop.founding import require_clean_exemplars, require_clean_tasks
-    from pipeline.registry import get_champion, get_engine, session_scope
-    from pipeline.specs.compatibility import require_compatible
-    from pipeline.specs.contract import load_contract, stored_contract, verify_files
-    from pipeline.specs.harness import HarnessSpec
 
     new = load_contract(path)
     with session_scope(get_engine()) as session:
@@ -397,21 +409,6 @@ def adopt_contract(
     """Move ``lineage`` to the contract version in ``contract_path`` (see the module doc)."""
     from sqlalchemy import select
 
-    from pipeline.loop.candidate import load_generation
-    from pipeline.modeling.pair import pair_for_generation
-    from pipeline.registry import (
-        ContractVersion,
-        audit,
-        get_engine,
-        register_contract,
-        session_scope,
-        store_file,
-    )
-    from pipeline.registry.db import hold_lock
-    from pipeline.registry.models import utcnow
-    from pipeline.scoring import score_experience
-    from pipeline.specs.loading import content_hash
-
     contract_path = Path(contract_path)
     new, old, files, champion_id, old_id = _check_file(contract_path, lineage)
     stored, carried, kept, released = adopted_spec(old, new, release=release)
@@ -459,7 +456,7 @@ def adopt_contract(
                 f"is {champion.status}, contract version id {champion.contract_version_id}): run the adoption again"
             )
         _require_idle(session, lineage)  # an advance may have begun a candidate meanwhile
-        before = dict(champion.evaluation or {})
+        before = evaluation_of(champion)
         record = {
             "from": {"id": old_id, "name": old.name, "version": old.version},
             "to": {"id": new_id, "name": new.name, "version": new.version},
@@ -468,21 +465,19 @@ def adopt_contract(
             "retention_added": [r.name for r in carried],
             "retention_released": released,
             "kept": kept,
-            "previous_scores": before.get("scores") or {},
-            "previous_overall": before.get("overall"),
+            "previous_scores": before.scores,
+            "previous_overall": before.overall,
             "at": utcnow().isoformat(),
             "actor": actor,
             "reason": reason,
         }
-        champion.evaluation = {
-            **before,
-            "scores": evaluated["scores"],
-            "overall": evaluated["overall"],
-            "adoptions": [
-                *(before.get("adoptions") or []),
-                {**record, "retention": evaluated["retention"], "unscored": evaluated["unscored"]},
-            ],
-        }
+        adoption = Adoption.model_validate(
+            {**record, "retention": evaluated["retention"], "unscored": evaluated["unscored"]}
+        )
+        after = before.model_copy(deep=True)
+        after.scores, after.overall = evaluated["scores"], evaluated["overall"]
+        after.adoptions = [*before.adoptions, adoption]
+        champion.evaluation = after.as_stored()
         champion.contract_version_id = new_id
         session.flush()
         audit(

@@ -22,7 +22,25 @@ from typing import TYPE_CHECKING, Any
 from pipeline.errors import ConflictError, RatchetError
 from pipeline.gates.suites import require_gated
 from pipeline.loop.candidate import STEPS, AdvanceConfig, Progress, done_steps, record_seconds
+from pipeline.loop.collection import collect_step
+from pipeline.loop.curation import curate_step
+from pipeline.loop.discovery import discover_step
+from pipeline.loop.evaluation import evaluate_step
 from pipeline.loop.lease import Lease, owner_gone, owner_id
+from pipeline.loop.promotion import decide_step, sync_champion_aliases
+from pipeline.registry import (
+    Generation,
+    audit,
+    create_generation,
+    get_champion,
+    get_engine,
+    get_in_flight,
+    session_scope,
+)
+from pipeline.registry.documents import Crash, GenerationState, Steps, state_of
+from pipeline.registry.models import utcnow
+from pipeline.scoring import score_step
+from pipeline.training import train_step
 
 if TYPE_CHECKING:
     from pipeline.registry.tracking import Tracker
@@ -47,17 +65,6 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
     A lease whose owner is gone (``lease.owner_gone``) is taken over at once, and the crash is recorded."""
     from sqlalchemy import or_, update
 
-    from pipeline.registry import (
-        Generation,
-        audit,
-        create_generation,
-        get_champion,
-        get_engine,
-        get_in_flight,
-        session_scope,
-    )
-    from pipeline.registry.models import utcnow
-
     with session_scope(get_engine()) as session:
         gen = get_in_flight(session=session, lineage=config.lineage)
         if gen is None:
@@ -74,7 +81,7 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
                 specialists=[a.specialist for a in champion.adapters],
                 adapters={a.specialist: a.adapter_id for a in champion.adapters},
                 parent_id=champion.id,
-                state={"steps": {}, "config": config.__dict__},
+                state=GenerationState(steps=Steps(), config=config.__dict__),
             )
         now = utcnow()
         previous = gen.lease_owner
@@ -91,12 +98,9 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
         ).rowcount
         if taken and gone:
             session.refresh(gen)
-            state = dict(gen.state or {})
-            crashes = [
-                *state.get("crashes", []),
-                {"owner": previous, "step": gen.step, "why": gone, "at": str(now)},
-            ]
-            gen.state = {**state, "crashes": crashes}
+            state = state_of(gen)
+            state.crashes = [*state.crashes, Crash(owner=previous, step=gen.step, why=gone, at=str(now))]
+            gen.state = state.as_stored()
             audit(
                 session=session,
                 actor=owner,
@@ -119,8 +123,6 @@ def begin_candidate(*, config: AdvanceConfig, owner: str) -> int:
 def release_candidate(*, generation_id: int, owner: str) -> None:
     from sqlalchemy import update
 
-    from pipeline.registry import Generation, get_engine, session_scope
-
     with session_scope(get_engine()) as session:
         session.execute(
             update(Generation)
@@ -132,14 +134,7 @@ def release_candidate(*, generation_id: int, owner: str) -> None:
 
 def step_functions() -> dict[str, Callable[..., dict[str, Any]]]:
     """Each step's function, in order."""
-    from pipeline.codesign import codesign_step
-    from pipeline.loop.collection import collect_step
-    from pipeline.loop.curation import curate_step
-    from pipeline.loop.discovery import discover_step
-    from pipeline.loop.evaluation import evaluate_step
-    from pipeline.loop.promotion import decide_step
-    from pipeline.scoring import score_step
-    from pipeline.training import train_step
+    from pipeline.codesign import codesign_step  # lazy: looked up per call: tests replace codesign_step
 
     return {
         "discover": discover_step,
@@ -206,7 +201,6 @@ def advance_once(
 ) -> dict[str, Any]:
     """Build (or resume) one candidate and decide on it. ``run_step(name, fn, **kwargs)`` lets the Prefect
     flow run each step as a task (and ``run_job`` each training job); by default they are called directly."""
-    from pipeline.registry import get_engine
 
     owner = owner_id()
     generation_id = begin_candidate(config=config, owner=owner)
@@ -214,8 +208,6 @@ def advance_once(
     manage_gc = gc.get_freeze_count() == 0  # a caller that froze objects itself manages collection
     try:
         if tracker is not None:  # a promotion whose aliases MLflow missed (it was down) is repaired first
-            from pipeline.loop.promotion import sync_champion_aliases
-
             try:
                 sync_champion_aliases(lineage=config.lineage, tracker=tracker)
             except RatchetError as exc:

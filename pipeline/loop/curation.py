@@ -38,12 +38,22 @@ from pipeline.experience.eligibility import (
     lineage_candidates,
     prompt_key,
 )
+from pipeline.experience.preferences import preference_pairs
 from pipeline.experience.toolcalls import normalize_tool_calls, tools_problem
+from pipeline.loop.candidate import artifacts_for, contract_of, load_generation, mark_step
+from pipeline.modeling.pair import offered_tools
+from pipeline.modeling.prompting import render_messages
+from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
+from pipeline.registry.documents import CurateOutcome
+from pipeline.serving.views import recorded_writer
 from pipeline.specs.contract import ContractSpec
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.modelspec import ModelSpec
+from pipeline.training.artifacts import stored_dataset_sha256
 
 if TYPE_CHECKING:
     from pipeline.loop.candidate import AdvanceConfig, Progress
-    from pipeline.specs.harness import HarnessSpec
     from pipeline.specs.heldout import HeldoutIndex
 
 log = logging.getLogger(__name__)
@@ -84,7 +94,7 @@ def select_examples(
 
     Only the final assistant turn of each selected conversation is a training target (``packing``);
     the turns before it are context."""
-    from pipeline.serving.turns import STOPPED
+    from pipeline.serving.turns import STOPPED  # lazy: imports fastapi
 
     rules = contract.selection
     wanted = set(specialists) if specialists is not None else set(contract.specialists)
@@ -204,9 +214,6 @@ def training_rows(
     none). A row that cannot be rendered (``UNRENDERABLE``), names malformed tools (``BAD_TOOLS``) or cannot
     be stored in one dataset beside the rows before it (``UNSTORABLE``, ``unstorable``) is left out and
     counted in ``dropped``: one row never stops a generation."""
-    from pipeline.modeling.pair import offered_tools
-    from pipeline.modeling.prompting import render_messages
-    from pipeline.serving.views import recorded_writer
 
     offered = offered_tools(harness, specialist)
     kept: list[dict[str, Any]] = []
@@ -263,19 +270,16 @@ def unstorable(rows: list[dict[str, Any]]) -> list[int]:
 
 
 def save_dataset(examples: list[dict[str, Any]], path: Path) -> tuple[str, int]:
-    """Save with ``datasets.Dataset.save_to_disk``; return (sha256 of the conversations, rows). Preference
-    rows (a ``rejected`` conversation beside ``messages``) keep it, and its score and trace, and are hashed
-    with both conversations."""
+    """Save with ``datasets.Dataset.save_to_disk``; return (sha256 of the conversations as stored, rows).
+    Preference rows (a ``rejected`` conversation beside ``messages``) keep it, and its score and trace, and are
+    hashed with both conversations. The hash is of the saved dataset read back (``stored_dataset_sha256``):
+    the one its training job logs with the adapter."""
     import datasets
-
-    from pipeline.training import dataset_sha256
-    from pipeline.training.dpo import pairs_sha256
 
     datasets.disable_progress_bars()
     rows = [dataset_row(e) for e in examples]
     datasets.Dataset.from_list(rows).save_to_disk(str(path))
-    preference = bool(rows) and "rejected" in rows[0]
-    return (pairs_sha256(rows) if preference else dataset_sha256(rows)), len(rows)
+    return stored_dataset_sha256(path), len(rows)
 
 
 def curate_step(
@@ -285,13 +289,6 @@ def curate_step(
     method its model spec names: SFT examples (``select_examples``), preference pairs (``method: dpo``,
     ``pipeline.experience.preferences``), or none (``method: grpo`` practises online on its task source)."""
     from sqlalchemy import delete, insert
-
-    from pipeline.experience.preferences import preference_pairs
-    from pipeline.loop.candidate import artifacts_for, contract_of, load_generation, mark_step
-    from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
-    from pipeline.specs.harness import HarnessSpec
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.modelspec import ModelSpec
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -383,10 +380,8 @@ def curate_step(
                     insert(DatasetExample),
                     [{"dataset_id": dataset.id, "experience_id": e} for e in traces],
                 )
-        outcome = {
-            "datasets": datasets,
-            "dropped": dropped.counts,
-            "dropped_by_principal": dropped.principals,
-        }
+        outcome = CurateOutcome(
+            datasets=datasets, dropped=dropped.counts, dropped_by_principal=dropped.principals
+        )
         mark_step(session, load_generation(session, generation_id), "curate", outcome)
-    return outcome
+    return outcome.as_stored()

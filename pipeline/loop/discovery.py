@@ -23,7 +23,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
-from pipeline.loop.candidate import AdvanceConfig, Progress, load_generation, mark_step, step_seed
+from pipeline.loop.candidate import (
+    AdvanceConfig,
+    Progress,
+    artifacts_for,
+    contract_of,
+    load_generation,
+    mark_step,
+    step_seed,
+)
+from pipeline.loop.clock import CLOCK
+from pipeline.modeling.pair import answer_items, pair_for_generation
+from pipeline.registry import get_engine, session_scope
+from pipeline.registry.documents import GenerationState
+from pipeline.registry.locations import home_path, stored_path
+from pipeline.scoring import score_trace
+from pipeline.specs.contract import file_reader
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.tasksource import draw, task_sources
 
 if TYPE_CHECKING:
     from pipeline.specs.contract import ContractSpec
@@ -77,22 +94,33 @@ def make_variants(source: TaskSource, items: list[dict[str, Any]], n: int, seed:
 def solved(contract: ContractSpec, trace: dict[str, Any], *, harness: HarnessSpec, specialist: str) -> bool:
     """Whether the contract counts a trace as solved: what it would learn from (its final turn passed a
     verifying check, none failed, and scores at least the selection threshold)."""
-    from pipeline.scoring import score_trace
 
     result = score_trace(contract, trace, harness=harness, specialist=specialist)
     return result.learnable(contract.selection.min_score)
+
+
+def solved_counts(
+    contract: ContractSpec,
+    attempts: list[list[dict[str, Any]]],
+    *,
+    harness: HarnessSpec,
+    specialist: str,
+) -> list[int]:
+    """Per item, how many of its sampled traces (``attempts``) are ``solved``, timed as contract scoring
+    (``CLOCK``'s ``score``, as the scoring step's). One after another: in a pool of two threads (the scoring
+    step's) the demo's 4,096 took as long or longer on two cores (the rule-based scorers hold the GIL)."""
+
+    with CLOCK.measure("score"):
+        return [
+            sum(solved(contract, t, harness=harness, specialist=specialist) for t in item)
+            for item in attempts
+        ]
 
 
 def discover_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Find, per specialist with a task source, variants the champion solves in (0, k/2) of k samples."""
-    from pipeline.loop.candidate import artifacts_for, contract_of
-    from pipeline.modeling.pair import answer_items, pair_for_generation
-    from pipeline.registry import get_engine, session_scope
-    from pipeline.specs.contract import file_reader
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.tasksource import draw, task_sources
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -126,8 +154,8 @@ def discover_step(
     found: dict[str, Any] = {}
     for s, attempts in answered.items():
         kept = []
-        for item, traces in zip(tried[s], attempts, strict=True):
-            wins = sum(solved(contract, t, harness=pair.harness, specialist=s) for t in traces)
+        counts = solved_counts(contract, attempts, harness=pair.harness, specialist=s)
+        for item, wins in zip(tried[s], counts, strict=True):
             if 0 < wins < k / 2:
                 kept.append({**item, "metadata": {**item["metadata"], "discovered_pass_rate": wins / k}})
         found[s] = {"tried": len(tried[s]), "found": len(kept), "held_out_left_out": left_out[s]}
@@ -157,42 +185,26 @@ def write_variants(items: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(it, sort_keys=True, separators=(",", ":")) + "\n" for it in items)
     path.write_text(text)
-    return {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    # the path as the registry keeps paths: relative to the home when inside it (the home may move)
+    return {"path": stored_path(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
-def discovered_items(state: dict[str, Any] | None, specialist: str) -> list[dict[str, Any]]:
+def discovered_items(state: GenerationState | dict[str, Any] | None, specialist: str) -> list[dict[str, Any]]:
     """The variants discovery kept for ``specialist`` in a generation (its ``state``), checked against the
     recorded sha256; [] when there are none."""
-    entry = ((((state or {}).get("steps") or {}).get("discover") or {}).get("specialists") or {}).get(
-        specialist
-    )
-    if not entry or not entry.get("path"):
+    discover = GenerationState.model_validate(state or {}).steps.discover
+    entry = discover.specialists.get(specialist) if discover is not None else None
+    if entry is None or not entry.path:
         return []
-    path = Path(entry["path"])
+    path = Path(home_path(entry.path))
     try:
         text = path.read_text()
     except OSError as exc:
         raise RatchetError(
             f"{path}: the discovered variants of {specialist} cannot be read ({exc})"
         ) from None
-    if hashlib.sha256(text.encode()).hexdigest() != entry.get("sha256"):
+    if hashlib.sha256(text.encode()).hexdigest() != entry.sha256:
         raise RatchetError(
             f"{path}: the discovered variants of {specialist} do not match their recorded sha256"
         )
     return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def discovery_summary(found: dict[str, Any] | None, answered: dict[str, Any] | None) -> dict[str, Any]:
-    """Per specialist: variants tried and found by discovery, and how the champion and the candidate answer
-    the found ones (mean contract totals, greedy); empty when the generation had no discovery."""
-    per = ((found or {}).get("specialists") or {}) if isinstance(found, dict) else {}
-    return {
-        s: {
-            "tried": d.get("tried"),
-            "found": d.get("found"),
-            "champion": ((answered or {}).get(s) or {}).get("champion"),
-            "candidate": ((answered or {}).get(s) or {}).get("candidate"),
-        }
-        for s, d in sorted(per.items())
-        if isinstance(d, dict)
-    }

@@ -6,16 +6,16 @@ specialists' means (each specialist counts the same), whose variance is the sum 
 of specialists squared. Both pairs answer first; then their answers are scored item by item, interleaved
 (``score_both``), each on its final assistant turn (``item_score``), so a scorer that fails for a while (a
 judge down, then back) fails on both sides of the same items. An item unscored on either side is left out
-of the comparison on both sides and counted per specialist (``evaluation["unscored"]``, its first reason in
-``evaluation["unscored_errors"]``); more than ``promotion.max_unscored_share`` of all items unscored fails
+of the comparison on both sides and counted per specialist (``evaluation.unscored``, its first reason in
+``evaluation.unscored_errors``); more than ``promotion.max_unscored_share`` of all items unscored fails
 the step with one line (``check_unscored``). Every compared item's scores are stored with the candidate
-(``evaluation["items"]``, and with both answers in ``evaluation_items``; unscored items in neither), as are
+(``evaluation.items``, and with both answers in ``evaluation_items``; unscored items in neither), as are
 the router's accuracy on the contract's routing suite for both harnesses, each specialist's suite hash
-(``evaluation["suites"]``) and the attempt number of each test on its suites from the registry's spending
-ledger (``evaluation["attempts"]``: every earlier evaluation on the same suite counts, whatever its champion,
+(``evaluation.suites``) and the attempt number of each test on its suites from the registry's spending
+ledger (``evaluation.attempts``: every earlier evaluation on the same suite counts, whatever its champion,
 lineage or contract version; a ``fresh`` suite is a new sample, and a new suite, per champion), and how both
 pairs answer the variants discovery found this generation
-(``evaluation["discovery"]``: greedy final-turn scores, unscored as 0; they were practised on: a report,
+(``evaluation.discovery``: greedy final-turn scores, unscored as 0; they were practised on: a report,
 never a gate); ``pipeline.loop.promotion`` turns the rest into a verdict.
 """
 
@@ -25,6 +25,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.experience.eligibility import eligible_examples, lineage_candidates
 from pipeline.gates.answers import (  # noqa: F401 - re-exported: evaluation's vocabulary, used by co-design and tests
     ItemScore,
     answer_suites,
@@ -35,13 +36,29 @@ from pipeline.gates.answers import (  # noqa: F401 - re-exported: evaluation's v
     score_pair,
 )
 from pipeline.gates.inference import Comparison, SpecialistComparison, compare_scores  # noqa: F401
+from pipeline.gates.retention import forgetting
+from pipeline.gates.suites import compared_groups, item_keys
 from pipeline.loop.candidate import AdvanceConfig, Progress, contract_of, load_generation, mark_step
+from pipeline.loop.discovery import discovered_items
+from pipeline.modeling.pair import pair_for_generation
+from pipeline.registry import (
+    EvaluationItem,
+    get_engine,
+    samples_of,
+    session_scope,
+    set_generation_status,
+    spend,
+)
+from pipeline.registry.documents import EvaluateOutcome, GenerationEvaluation, evaluation_of, state_of
+from pipeline.serving.router import TokenClassifier
+from pipeline.serving.routereval import fit_router_classifier, measure_router, routing_items, suite_items
+from pipeline.specs.heldout import resolve_suites, suite_sha256
+from pipeline.specs.loading import content_hash
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from pipeline.experience.eligibility import Candidate
-    from pipeline.serving.router import TokenClassifier
     from pipeline.specs.contract import ContractSpec
     from pipeline.specs.harness import HarnessSpec
 
@@ -60,8 +77,6 @@ def spend_attempts(
     own; ``{"improvement": j, "improvement_sample": e, "noninferiority": {specialist: j}}`` (``e``: which
     sample of a fresh suite's family this is, None for fixed suites; ``families``: suite sha256 -> family,
     for fresh suites). A rerun of the same generation's evaluation gets the same numbers."""
-    from pipeline.gates.suites import item_keys
-    from pipeline.registry import get_engine, samples_of, session_scope, spend
 
     tests = {"improvement": sorted(set(suites.values()))}
     tests |= {f"noninferiority:{s}": [digest] for s, digest in suites.items()}
@@ -82,7 +97,6 @@ def spend_attempts(
 def suite_families(contract: ContractSpec, hashes: dict[str, str]) -> dict[str, str]:
     """Suite sha256 -> family for the specialists whose held-out suites draw fresh samples: the hash of the
     specialist's suite declarations (which do not change from one sample to the next)."""
-    from pipeline.specs.loading import content_hash
 
     out = {}
     for specialist, digest in hashes.items():
@@ -96,11 +110,6 @@ def evaluate_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Score the champion and the candidate on the contract's held-out suites in the same run; compare."""
-    from pipeline.gates.suites import compared_groups
-    from pipeline.loop.discovery import discovered_items
-    from pipeline.modeling.pair import pair_for_generation
-    from pipeline.registry import get_engine, session_scope, set_generation_status
-    from pipeline.specs.heldout import resolve_suites, suite_sha256
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -111,11 +120,9 @@ def evaluate_step(
         parent = load_generation(session, gen.parent_id)
         candidate, champion = pair_for_generation(gen), pair_for_generation(parent)
         lineage, epoch, state = gen.lineage, parent.number, gen.state  # epoch: the champion's (fresh suites)
-        parent_classifier = (parent.state or {}).get("router_classifier")
+        parent_classifier = state_of(parent).router_classifier
         candidates = None
         if candidate.harness.routing.mode != "signals":
-            from pipeline.experience.eligibility import lineage_candidates
-
             candidates, _ = lineage_candidates(session, gen, contract)
     # the generation's specialists only (a lineage may serve a subset of the contract's specialists)
     suites = {
@@ -151,16 +158,19 @@ def evaluate_step(
     )
     attempt = attempts["improvement"]
     classifier = fit_router(candidate.harness, contract, candidates) if candidates is not None else None
-    evaluation = {
-        "scores": {s: round(c.candidate, 4) for s, c in comparison.specialists.items()},
-        "overall": round(comparison.candidate_overall, 4),
-        "parent_scores": {s: round(c.champion, 4) for s, c in comparison.specialists.items()},
-        "parent_overall": round(comparison.champion_overall, 4),
-        "comparison": comparison.to_dict(),
-        "suites": hashes,  # each specialist's held-out suite, as the spending ledger knows it
-        "attempts": attempts,
-        "attempt": attempt,  # the improvement test's (what readers before the per-test attempts read)
-        "items": {  # the items scored on both pairs (what the comparison is made of)
+
+    lost = forgetting(contract, champion, candidate, cand_answers, generation_id=generation_id,
+                      attempts=attempts, progress=progress)  # fmt: skip
+    evaluation = GenerationEvaluation(
+        scores={s: round(c.candidate, 4) for s, c in comparison.specialists.items()},
+        overall=round(comparison.candidate_overall, 4),
+        parent_scores={s: round(c.champion, 4) for s, c in comparison.specialists.items()},
+        parent_overall=round(comparison.champion_overall, 4),
+        comparison=comparison.to_dict(),
+        suites=hashes,  # each specialist's held-out suite, as the spending ledger knows it
+        attempts=lost["attempts"],  # the held-out tests' attempts and the retention suites'
+        attempt=attempt,  # the improvement test's (what readers before the per-test attempts read)
+        items={  # the items scored on both pairs (what the comparison is made of)
             s: {
                 "parent": [round(v, 4) for v in champ_scores[s]],
                 "candidate": [round(v, 4) for v in cand_scores[s]],
@@ -169,45 +179,39 @@ def evaluate_step(
             }
             for s in sorted(suites)
         },
-        "unscored": {s: len(v) for s, v in unscored.items() if v},  # left out of the comparison, both sides
-        "unscored_errors": {
+        unscored={s: len(v) for s, v in unscored.items() if v},  # left out of the comparison, both sides
+        unscored_errors={
             s: scored[s][v[0]][0].error or scored[s][v[0]][1].error for s, v in unscored.items() if v
         },
-        "discovery": discovery,
-        "router": measure_routing(candidate.harness, contract, classifier),
-        "parent_router": measure_routing(champion.harness, contract, _classifier(parent_classifier)),
-    }
-    from pipeline.gates.retention import (
-        forgetting,  # retention suites (spent in the ledger) and KL divergence
+        discovery=discovery,
+        router=measure_routing(candidate.harness, contract, classifier),
+        parent_router=measure_routing(champion.harness, contract, _classifier(parent_classifier)),
+        retention=lost["retention"],
+        divergence=lost["divergence"],
     )
-
-    evaluation |= forgetting(contract, champion, candidate, cand_answers, generation_id=generation_id,
-                             attempts=evaluation.get("attempts"), progress=progress)  # fmt: skip
     with session_scope(engine) as session:
         gen = load_generation(session, generation_id)
-        gen.evaluation = evaluation
+        gen.evaluation = evaluation.as_stored()
         store_items(session, generation_id, suites, scored, champ_answers, cand_answers)
         if classifier is not None:
-            gen.state = {**(gen.state or {}), "router_classifier": classifier.to_dict()}
+            state = state_of(gen)
+            state.router_classifier = classifier.to_dict()
+            gen.state = state.as_stored()
         parent = load_generation(session, gen.parent_id)
-        if not (parent.evaluation or {}).get("scores"):  # generation 0 gets its held-out scores too
-            parent.evaluation = {
-                **(parent.evaluation or {}),
-                "scores": evaluation["parent_scores"],
-                "overall": evaluation["parent_overall"],
-                "router": evaluation["parent_router"],
-            }
+        first = evaluation_of(parent)
+        if not first.scores:  # generation 0 gets its held-out scores too
+            first.scores, first.overall = evaluation.parent_scores, evaluation.parent_overall
+            first.router = evaluation.parent_router
+            parent.evaluation = first.as_stored()
         mark_step(
             session,
             gen,
             "evaluate",
-            {
-                "overall": evaluation["overall"],
-                "parent_overall": evaluation["parent_overall"],
-                "attempt": attempt,
-            },
+            EvaluateOutcome(
+                overall=evaluation.overall, parent_overall=evaluation.parent_overall, attempt=attempt
+            ),
         )
-    return evaluation
+    return evaluation.as_stored()
 
 
 def store_items(
@@ -221,8 +225,6 @@ def store_items(
     """Keep every held-out item scored on both pairs, with both answers and scores (replacing an earlier,
     crashed attempt's); an unscored item is left out, as it is of the comparison."""
     from sqlalchemy import delete, insert
-
-    from pipeline.registry import EvaluationItem
 
     session.execute(delete(EvaluationItem).where(EvaluationItem.generation_id == generation_id))
     rows = [
@@ -245,7 +247,6 @@ def store_items(
 
 
 def _classifier(data: dict[str, Any] | None) -> TokenClassifier | None:
-    from pipeline.serving.router import TokenClassifier
 
     return TokenClassifier.from_dict(data) if data else None
 
@@ -256,7 +257,6 @@ def router_training_traces(
     """What the learned router learns from: the lineage's verified, non-held-out experience that passed the
     selection rules (``eligibility.eligible_examples`` over ``load_candidates``), labelled with the specialist
     that served it."""
-    from pipeline.experience.eligibility import eligible_examples
 
     return [
         {"messages": messages, "metadata": {"specialist": cand.specialist}}
@@ -269,7 +269,6 @@ def fit_router(
     harness: HarnessSpec, contract: ContractSpec, candidates: list[Candidate]
 ) -> TokenClassifier | None:
     """The learned router's classifier fitted on ``router_training_traces`` (None without any)."""
-    from pipeline.serving.routereval import fit_router_classifier, routing_items
 
     traces = router_training_traces(harness, contract, candidates)
     if not traces:
@@ -281,7 +280,6 @@ def measure_routing(
     harness: HarnessSpec, contract: ContractSpec, classifier: TokenClassifier | None
 ) -> dict[str, Any] | None:
     """Router accuracy and confusion matrix on the contract's routing suite (None when it has none)."""
-    from pipeline.serving.routereval import measure_router, suite_items
 
     if contract.routing is None:
         return None

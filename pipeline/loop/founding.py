@@ -7,6 +7,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
+from pipeline.gates.suites import require_counted
+from pipeline.modeling.probes import check_template, spec_tokenizer
+from pipeline.modeling.prompting import exemplar_messages
+from pipeline.registry import (
+    create_generation,
+    get_engine,
+    list_generations,
+    promote_generation,
+    register_base_model,
+    register_contract,
+    register_harness,
+    session_scope,
+    store_file,
+)
+from pipeline.registry.documents import evaluation_of
+from pipeline.settings import get_settings
+from pipeline.specs.compatibility import require_compatible
+from pipeline.specs.contract import file_reader, load_contract, verify_files
+from pipeline.specs.harness import load_harness
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.modelspec import base_hash, load_model_spec
+from pipeline.specs.tasksource import FileTasks, task_sources
 
 if TYPE_CHECKING:
     from pipeline.specs.contract import ContractSpec
@@ -41,8 +63,6 @@ def require_clean_exemplars(
 ) -> None:
     """Refuse a harness whose few-shot exemplars contain a held-out prompt: the model would be prompted
     with it on every turn (and see its answer)."""
-    from pipeline.modeling.prompting import exemplar_messages
-    from pipeline.specs.heldout import heldout_index
 
     index = heldout_index(contract, contract_path=contract_path)
     for name in harness.specialists:
@@ -60,9 +80,6 @@ def require_clean_tasks(contract: ContractSpec, *, contract_path: Path) -> dict[
     here) and refuse task items that contain a held-out prompt: the model would practise on them. Every item
     of a task file is checked; a generator is checked on 200 items per split. Returns the number of items
     checked per specialist."""
-    from pipeline.specs.contract import file_reader
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.tasksource import FileTasks, task_sources
 
     index = heldout_index(contract, contract_path=contract_path)
     counts = {}
@@ -89,7 +106,6 @@ def require_template(
     """Refuse a model whose chat template rejects a feature the harness uses (``probes.check_template``:
     a system prompt, a tool result, the exemplars, an exemplar's several calls in one reply), with one line
     naming it; returns the warnings (several calls in one reply, where no exemplar needs them)."""
-    from pipeline.modeling.probes import check_template, spec_tokenizer
 
     try:
         tokenizer = spec_tokenizer(
@@ -119,29 +135,13 @@ def init_lineage(
 ) -> InitResult:
     """Register the three specs (content-addressed) and create generation 0 as the lineage's champion.
 
-    Running it again with the same files is a no-op; with different files for an existing lineage it is
-    refused (start another lineage with ``--lineage``). A model whose chat template rejects a feature the
+    It makes the home (``RATCHET_HOME``) when it is missing (other commands refuse a missing home). Running it
+    again with the same files is a no-op; with different files for an existing lineage it is refused (start
+    another lineage with ``--lineage``). A model whose chat template rejects a feature the
     harness uses is refused (``require_template``), and so is a contract with a trained specialist that no
     held-out suite judges and that does not say ``ungated: true``, or a suite that repeats an item
     (``pipeline.gates.suites.require_counted``).
     """
-    from pipeline.gates.suites import require_counted
-    from pipeline.registry import (
-        create_generation,
-        get_engine,
-        list_generations,
-        promote_generation,
-        register_base_model,
-        register_contract,
-        register_harness,
-        session_scope,
-        store_file,
-    )
-    from pipeline.settings import get_settings
-    from pipeline.specs.compatibility import require_compatible
-    from pipeline.specs.contract import load_contract, verify_files
-    from pipeline.specs.harness import load_harness
-    from pipeline.specs.modelspec import load_model_spec, model_spec_hash
 
     contract = load_contract(contract_path)
     harness = load_harness(harness_path)
@@ -170,6 +170,7 @@ def init_lineage(
             f"{model_path}: specialists {untasked} train with method grpo, but the contract names no task source "
             "(`tasks`) for them: GRPO practises on a task source's training prompts"
         )
+    home = get_settings().create_home()  # starting a lineage makes the home; other commands require it
     if model.base.path is not None:
         base_path = Path(model.base.path).expanduser()
         if not base_path.is_absolute():
@@ -179,9 +180,7 @@ def init_lineage(
                 f"{model_path}: base.path {str(base_path)!r} is not a Hugging Face model directory (no config.json)"
             )
     else:
-        base_path = base_model_dir(
-            home=get_settings().ensure_home(), name=model.name, spec_hash=model_spec_hash(model)
-        )
+        base_path = base_model_dir(home=home, name=model.name, spec_hash=base_hash(model))
     if model.tokenizer != "same_as_base":  # stored resolved: later steps run from anywhere
         tok = Path(model.tokenizer).expanduser()
         tok = tok if tok.is_absolute() else (Path(model_path).resolve().parent / tok).resolve()
@@ -221,8 +220,8 @@ def init_lineage(
         if existing:
             first = existing[0]
             # A champion moved by `ratchet contract adopt` keeps the version it started under in its record
-            adopted = (first.evaluation or {}).get("adoptions") or []
-            started = adopted[0]["from"]["id"] if adopted else first.contract_version_id
+            adopted = evaluation_of(first).adoptions
+            started = adopted[0].from_.id if adopted else first.contract_version_id
             if (first.base_model_id, first.harness_version_id, started) != (
                 base.id,
                 hv.id,

@@ -28,6 +28,9 @@ from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 
 from pipeline.errors import ConflictError
+from pipeline.registry import Generation
+from pipeline.registry.db import hold_lock
+from pipeline.registry.models import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,6 @@ class Lease:
 
     def renew(self) -> bool:
         """Push the expiry ``seconds`` ahead, if the lease is still ours."""
-        from pipeline.registry import Generation
-        from pipeline.registry.models import utcnow
 
         with Session(self.engine, info={"lease": True}) as session:  # type: ignore[arg-type]
             rows = session.execute(
@@ -141,8 +142,6 @@ class Lease:
         """Raise ``LeaseLostError`` unless the lease is still ours, holding the candidate's row (PostgreSQL:
         ``FOR UPDATE``; SQLite: the write lock) until ``session`` commits, so a takeover cannot slip in
         between this check and the commit."""
-        from pipeline.registry import Generation
-        from pipeline.registry.db import hold_lock
 
         with session.no_autoflush:  # the stored owner, not this transaction's pending changes
             if session.get_bind().dialect.name != "postgresql":

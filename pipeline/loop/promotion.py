@@ -11,7 +11,7 @@ group of items is one unit):
   ``pipeline.gates.inference``), tested at the rate attempt ``j`` on the held-out suites may spend
   (``PromotionGates.attempt_rate``: ``false_promotion_rate * 6 / (pi**2 j**2)``, times ``6 / (pi**2 e**2)``
   on the ``e``-th fresh sample of suites that draw one per champion). ``j`` and ``e`` come from the
-  registry's spending ledger (``evaluation["attempts"]["improvement"]``): it counts every test ever made on
+  registry's spending ledger (``evaluation.attempts.improvement``): it counts every test ever made on
   the suites, whatever the champion, lineage or contract version, so the rates of all tests on a suite sum
   to ``false_promotion_rate``: the chance that any of them promotes a candidate no better than its parent
   stays at most that (no independence needed: a union bound);
@@ -19,20 +19,20 @@ group of items is one unit):
   betting test of the mean of bounded differences, valid for any distribution whose mean is at the margin
   or below), at ``regression_error_rate`` spent the same way over that specialist's own attempts
   (``attempts["noninferiority"][s]``);
-- **retention**: per retention suite (``evaluation["retention"]``), the candidate has not lost more than
+- **retention**: per retention suite (``evaluation.retention``), the candidate has not lost more than
   the suite's ``max_regression`` (the same betting test), at the suite's ``error_rate`` spent over its attempts
   (``attempts["retention"][name]``);
 - **divergence**: with ``promotion.max_kl_to_base`` set, every specialist's mean per-token KL to the base
-  model (``evaluation["divergence"]``) is within it (not measured, or not a finite number: not promoted);
+  model (``evaluation.divergence``) is within it (not measured, or not a finite number: not promoted);
 - **enough items**: every specialist has ``min_heldout_samples`` held-out items scored on both pairs, and
-  every specialist that was evaluated (``evaluation["suites"]``, ``evaluation["items"]``) is in the
+  every specialist that was evaluated (``evaluation.suites``, ``evaluation.items``) is in the
   comparison: one whose items were all left out would otherwise escape every gate;
 - **routing**: the router's accuracy on the contract's routing suite has not dropped below the parent's
   by more than ``routing.max_accuracy_drop``.
 
 An evaluation written before the ledger has only ``attempt``: every test then uses it as its ``j``. The
 comparison is made of the items scored on both pairs: the evaluation left out those a scorer could not
-score on either side (``evaluation["unscored"]``, at most ``promotion.max_unscored_share`` of them, or the
+score on either side (``evaluation.unscored``, at most ``promotion.max_unscored_share`` of them, or the
 evaluation step failed), and the verdict says how many. Its reasons say all of it in words and numbers
 (p-values, how each was computed, the rate used and the attempt it was); ``Verdict.tests`` keeps them as
 rows. ``decide_step`` applies it. The registry is the truth about the champion: MLflow's ``champion`` alias
@@ -50,15 +50,36 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
-from pipeline.gates.inference import Betting, SignFlip, improvement_test, noninferiority_test
-from pipeline.loop.candidate import AdvanceConfig, Progress, load_generation, mark_step
+from pipeline.gates.inference import Betting, Comparison, SignFlip, improvement_test, noninferiority_test
+from pipeline.gates.transfer import track_generation
+from pipeline.loop.candidate import AdvanceConfig, Progress, contract_of, load_generation, mark_step
+from pipeline.loop.publication import publish_decision
+from pipeline.registry import (
+    Generation,
+    get_champion,
+    get_engine,
+    promote_generation,
+    session_scope,
+    set_generation_status,
+)
+from pipeline.registry.db import hold_lock
+from pipeline.registry.documents import (
+    Attempts,
+    DecideOutcome,
+    DivergenceRecord,
+    GenerationEvaluation,
+    RetentionRecord,
+    RouterRecord,
+    VerdictRecord,
+    evaluation_of,
+)
+from pipeline.registry.tracking import TrackingUnavailable, registered_model_name
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from pipeline.gates.inference import Comparison
     from pipeline.registry.tracking import Tracker
     from pipeline.specs.contract import PromotionGates, RoutingSuite
 
@@ -80,7 +101,7 @@ class Verdict:
         return ("promote: " if self.promote else "reject: ") + "; ".join(self.reasons)
 
     def to_dict(self) -> dict[str, Any]:
-        """As stored with the evaluation (``evaluation["verdict"]``)."""
+        """As stored with the evaluation (``evaluation.verdict``)."""
         return {
             "promote": self.promote,
             "rate": self.rate,
@@ -126,12 +147,12 @@ def judge(
     gates: PromotionGates,
     *,
     attempt: int,
-    attempts: dict[str, Any] | None = None,
-    retention: dict[str, dict[str, Any]] | None = None,
-    divergence: dict[str, dict[str, Any]] | None = None,
+    attempts: Attempts | dict[str, Any] | None = None,
+    retention: dict[str, RetentionRecord | dict[str, Any]] | None = None,
+    divergence: dict[str, DivergenceRecord | dict[str, Any]] | None = None,
     routing: RoutingSuite | None = None,
-    router: dict[str, Any] | None = None,
-    parent_router: dict[str, Any] | None = None,
+    router: RouterRecord | dict[str, Any] | None = None,
+    parent_router: RouterRecord | dict[str, Any] | None = None,
     unscored: dict[str, int] | None = None,
     evaluated: Iterable[str] | None = None,
 ) -> Verdict:
@@ -140,9 +161,14 @@ def judge(
     (``{"noninferiority": {s: j}, "retention": {name: j}}``; a test missing there uses ``attempt``).
     ``unscored``: per specialist, the held-out items the evaluation left out of the comparison (named in the
     reasons; not a gate here). ``evaluated``: the specialists whose held-out suites were evaluated; each
-    must be in the comparison with items (so must those with ``unscored`` items)."""
-    attempts = attempts or {}
-    sample = attempts.get("improvement_sample")  # which fresh sample of the suites (None: fixed suites)
+    must be in the comparison with items (so must those with ``unscored`` items). Each stored part is read
+    as its document model (``pipeline.registry.documents``)."""
+    attempts = Attempts.model_validate(attempts or {})
+    retention = {n: RetentionRecord.model_validate(r) for n, r in (retention or {}).items()}
+    divergence = {s: DivergenceRecord.model_validate(d) for s, d in (divergence or {}).items()}
+    router = RouterRecord.model_validate(router) if router is not None else None
+    parent_router = RouterRecord.model_validate(parent_router) if parent_router is not None else None
+    sample = attempts.improvement_sample  # which fresh sample of the suites (None: fixed suites)
     rate = gates.attempt_rate(attempt, sample)
     lower = comparison.delta - t_quantile(1 - rate, comparison.df) * comparison.se
     verdict = Verdict(promote=True, attempt=attempt, rate=rate, lower=lower)
@@ -188,7 +214,7 @@ def judge(
         reasons.append(f"the improvement is not significant: the overall delta must be {need}")
     kept = []
     for s, c in comparison.specialists.items():
-        tol, j = gates.tolerance(s), int((attempts.get("noninferiority") or {}).get(s, attempt))
+        tol, j = gates.tolerance(s), int(attempts.noninferiority.get(s, attempt))
         r = spent_rate(gates.regression_error_rate, j)
         ni = noninferiority_test(c.diffs, c.groups, tolerance=tol, alpha=r)
         ok = ni.rejects(r) and len(c.diffs) == c.n
@@ -205,30 +231,32 @@ def judge(
         )
     if kept:
         reasons.append(f"no specialist regressed beyond its tolerance ({'; '.join(kept)})")
-    _retention(verdict, retention or {}, attempts.get("retention") or {}, attempt)
+    _retention(verdict, retention, attempts.retention, attempt)
     _divergence(verdict, comparison, gates, divergence)
-    if routing is not None and router is not None and parent_router is not None:
-        drop = parent_router["accuracy"] - router["accuracy"]
-        if drop > routing.max_accuracy_drop:
+    before = parent_router.accuracy if parent_router is not None else None
+    after = router.accuracy if router is not None else None
+    if routing is not None and before is not None and after is not None:
+        if before - after > routing.max_accuracy_drop:
             verdict.promote = False
             reasons.append(
-                f"router accuracy fell {parent_router['accuracy']:.3f} -> {router['accuracy']:.3f} on the "
-                f"routing suite (tolerance {routing.max_accuracy_drop:.3f})"
+                f"router accuracy fell {before:.3f} -> {after:.3f} on the routing suite (tolerance "
+                f"{routing.max_accuracy_drop:.3f})"
             )
     return verdict
 
 
 def _retention(
-    verdict: Verdict, retention: dict[str, dict[str, Any]], attempts: dict[str, int], default: int
+    verdict: Verdict, retention: dict[str, RetentionRecord], attempts: dict[str, int], default: int
 ) -> None:
     """Non-inferiority on every retention suite, each at its own error rate spent over its attempts."""
     kept = []
     for name, suite in sorted(retention.items()):
-        parent, candidate = suite.get("parent") or [], suite.get("candidate") or []
+        parent, candidate = suite.parent, suite.candidate
         diffs = [b - a for a, b in zip(parent, candidate, strict=True)]
-        tol, j = float(suite.get("max_regression", 0.0)), int(attempts.get(name, default))
-        r = spent_rate(float(suite.get("error_rate", 0.05)), j)
-        ni = noninferiority_test(diffs, suite.get("groups"), tolerance=tol, alpha=r)
+        tol, j = float(suite.max_regression or 0.0), int(attempts.get(name, default))
+        error_rate = float(suite.error_rate if suite.error_rate is not None else 0.05)
+        r = spent_rate(error_rate, j)
+        ni = noninferiority_test(diffs, suite.groups, tolerance=tol, alpha=r)
         ok = ni.rejects(r)
         verdict.tests.append(_row(f"retention:{name}", ni, rate=r, attempt=j, margin=-tol, passed=ok))
         if ok:
@@ -238,10 +266,10 @@ def _retention(
         after = sum(candidate) / len(candidate) if candidate else 0.0
         verdict.promote = False
         verdict.reasons.append(
-            f"retention suite {name} ({suite.get('specialist', '?')}) may have been forgotten beyond its "
+            f"retention suite {name} ({suite.specialist}) may have been forgotten beyond its "
             f"tolerance: {before:.3f} -> {after:.3f} ({after - before:+.3f} over {len(diffs)} items; "
             f"non-inferiority at -{tol:.3f}: {ni.describe()}; needs p <= {r:.4g}: attempt {j} on the suite, "
-            f"of its error_rate {float(suite.get('error_rate', 0.05)):g})"
+            f"of its error_rate {error_rate:g})"
         )
     if kept:
         verdict.reasons.append(f"retention suites kept ({'; '.join(kept)})")
@@ -251,16 +279,15 @@ def _divergence(
     verdict: Verdict,
     comparison: Comparison,
     gates: PromotionGates,
-    divergence: dict[str, dict[str, Any]] | None,
+    divergence: dict[str, DivergenceRecord],
 ) -> None:
     """``promotion.max_kl_to_base``: every specialist's KL to the base within it (unmeasured: refused)."""
     budget = gates.max_kl_to_base
     if budget is None:
         return
-    divergence = divergence or {}
     over, unmeasured = [], []
     for s in sorted(comparison.specialists):
-        kl = (divergence.get(s) or {}).get("kl_to_base")
+        kl = divergence[s].kl_to_base if s in divergence else None
         if not isinstance(kl, int | float) or not math.isfinite(kl):  # NaN passes every comparison
             unmeasured.append(s if kl is None else f"{s} (KL {kl})")
         elif kl > budget:
@@ -278,11 +305,11 @@ def _divergence(
         )
 
 
-def attempts_of(evaluation: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def attempts_of(evaluation: GenerationEvaluation | dict[str, Any]) -> tuple[int, Attempts]:
     """The improvement test's attempt and the ledger's attempts as stored; an evaluation written before
     the ledger has only ``attempt`` (every test then uses it)."""
-    attempts = evaluation.get("attempts") or {}
-    return int(attempts.get("improvement", evaluation.get("attempt", 1))), attempts
+    evaluation = GenerationEvaluation.model_validate(evaluation)
+    return evaluation.improvement_attempt(), evaluation.attempts or Attempts()
 
 
 def decide_step(
@@ -293,24 +320,13 @@ def decide_step(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Apply the gates' verdict: promote or reject in the registry; then MLflow's champion aliases follow."""
-    from pipeline.gates.inference import Comparison
-    from pipeline.loop.candidate import contract_of
-    from pipeline.registry import (
-        Generation,
-        get_champion,
-        get_engine,
-        promote_generation,
-        session_scope,
-        set_generation_status,
-    )
-    from pipeline.registry.db import hold_lock
 
     with session_scope(get_engine()) as session:
         gen = load_generation(session, generation_id)
         # Champion moves of the lineage wait until this decision commits (a rollback cannot slip in between
         # the check below and the promotion), and the champion is read after taking the lock.
         hold_lock(session=session, key=f"lineage:{gen.lineage}")
-        evaluation = gen.evaluation or {}
+        evaluation = evaluation_of(gen)
         contract = contract_of(gen)
         champion = get_champion(session=session, lineage=gen.lineage)
         if champion is None or champion.id != gen.parent_id:
@@ -324,23 +340,26 @@ def decide_step(
                 f"{parent.number if parent else '-'}; the champion is now {now}): it was never compared "
                 "with the champion it would replace"
             )
-        elif "comparison" in evaluation:
+        elif evaluation.comparison is not None:
             attempt, attempts = attempts_of(evaluation)
             verdict = judge(
-                Comparison.from_dict(evaluation["comparison"], evaluation.get("items")),
+                Comparison.from_dict(
+                    evaluation.comparison.as_stored(), {s: i.as_stored() for s, i in evaluation.items.items()}
+                ),
                 contract.promotion,
                 attempt=attempt,
                 attempts=attempts,
-                retention=evaluation.get("retention"),
-                divergence=evaluation.get("divergence"),
+                retention=evaluation.retention,
+                divergence=evaluation.divergence,
                 routing=contract.routing,
-                router=evaluation.get("router"),
-                parent_router=evaluation.get("parent_router"),
-                unscored=evaluation.get("unscored"),
-                evaluated=set(evaluation.get("suites") or {}) | set(evaluation.get("items") or {}),
+                router=evaluation.router,
+                parent_router=evaluation.parent_router,
+                unscored=evaluation.unscored,
+                evaluated=set(evaluation.suites) | set(evaluation.items),
             )
             promote, decision = verdict.promote, verdict.decision
-            gen.evaluation = {**evaluation, "verdict": verdict.to_dict()}
+            evaluation.verdict = VerdictRecord.model_validate(verdict.to_dict())
+            gen.evaluation = evaluation.as_stored()
         else:
             promote, decision = False, "reject: not evaluated"
         if promote:
@@ -351,13 +370,13 @@ def decide_step(
                 session=session, generation=gen, status="rejected", reason=decision, actor="advance"
             )
             status = "rejected"
-        mark_step(session, gen, "decide", {"status": status})
+        mark_step(session, gen, "decide", DecideOutcome(status=status))
         outcome = {
             "generation": gen.number,
             "status": status,
             "decision": decision,
-            "overall": evaluation.get("overall"),
-            "parent_overall": evaluation.get("parent_overall"),
+            "overall": evaluation.overall,
+            "parent_overall": evaluation.parent_overall,
         }
     if promote:  # after the commit: the registry decided, the aliases follow (or the next sync repairs them)
         try:
@@ -366,14 +385,17 @@ def decide_step(
             log.warning("%s", exc)
             outcome["aliases"] = str(exc)
     if tracker is not None:  # its accuracy-matrix row, backward transfer and KL as MLflow metrics (a report)
-        from pipeline.gates.transfer import track_generation
-
         try:
             track_generation(tracker, lineage=config.lineage, generation_id=generation_id)
         except Exception as exc:  # the decision is committed: MLflow missing a report must not undo it
             log.warning(
                 "generation %s: its metrics were not logged to MLflow (%s)", outcome["generation"], exc
             )
+
+    try:
+        publish_decision(lineage=config.lineage, generation_id=generation_id, tracker=tracker)
+    except Exception as exc:  # committed already, as above
+        log.warning("generation %s: its decision was not published (%s)", outcome["generation"], exc)
     return outcome
 
 
@@ -386,8 +408,6 @@ def sync_champion_aliases(
 
     ``tracker`` may be a function that makes it (opening MLflow can fail too, and is reported the same way).
     An MLflow failure is one ``RatchetError`` saying that the registry has moved and how to repair."""
-    from pipeline.registry import get_champion, get_engine, session_scope
-    from pipeline.registry.tracking import TrackingUnavailable, registered_model_name
 
     if tracker is None:
         return 0

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.modeling.detokenization import TextStream
+from pipeline.modeling.placement import placement
+
 if TYPE_CHECKING:
     from pipeline.modeling.placement import Placement
 
@@ -60,8 +63,6 @@ def load_model(
     (``pipeline.modeling.placement``; default: ``auto`` for both); ``tokenizer_dir``: default the base's. Offline only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pipeline.modeling.placement import placement
 
     where = where or placement()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_model_dir)
@@ -133,8 +134,6 @@ def _decode_batch(
     model: Any, tokenizer: Any, prompts: list[list[int]], config: SamplingConfig, gen: Any
 ) -> list[str]:
     import torch
-
-    from pipeline.modeling.detokenization import TextStream
 
     batch, width = len(prompts), max(len(p) for p in prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

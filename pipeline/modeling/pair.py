@@ -19,13 +19,21 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
+from pipeline.experience.toolcalls import answered_trace
+from pipeline.loop.clock import CLOCK
+from pipeline.modeling.decoding import load_model
+from pipeline.modeling.placement import spec_placement, tokenizer_dir
+from pipeline.modeling.prompting import decoding_for, render_messages
+from pipeline.modeling.templating import encode_prompt
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.loading import file_sha256
+from pipeline.specs.modelspec import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from pipeline.modeling.placement import Placement
     from pipeline.registry import Generation
-    from pipeline.specs.harness import HarnessSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,6 @@ class PairSpec:
 
 def pair_for_generation(generation: Generation) -> PairSpec:
     """The pair a registry ``Generation`` row describes (adapter files are checked against their sha256)."""
-    from pipeline.modeling.placement import spec_placement, tokenizer_dir
-    from pipeline.specs.harness import HarnessSpec
-    from pipeline.specs.loading import file_sha256
-    from pipeline.specs.modelspec import ModelSpec
 
     adapters: dict[str, Path | None] = {}
     for slot in generation.adapters:
@@ -121,7 +125,6 @@ def cached_model(
 def _load_base(
     base_dir: Path, where: Placement | None, tokenizer_dir: Path | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from pipeline.modeling.decoding import load_model
 
     base = load_model(base_dir, where=where, tokenizer_dir=tokenizer_dir)
     _MODELS[(str(Path(base_dir).resolve()), None, f"{where}:{tokenizer_dir}")] = base
@@ -146,11 +149,10 @@ def answer_items(
 
     ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness).
     """
-    from pipeline.experience.toolcalls import answered_trace
-    from pipeline.loop.clock import CLOCK
-    from pipeline.modeling.decoding import SamplingConfig, generate
-    from pipeline.modeling.prompting import decoding_for, render_messages
-    from pipeline.modeling.templating import encode_prompt
+    from pipeline.modeling.decoding import (  # lazy: looked up per call: tests replace generate
+        SamplingConfig,
+        generate,
+    )
 
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
     done = 0

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.errors import RatchetError
+from pipeline.settings import get_settings
+
 if TYPE_CHECKING:
     import torch
 
@@ -51,8 +54,6 @@ def placement(*, dtype: str = "auto", device: str = "auto") -> Placement:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     on_gpu = device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
-        from pipeline.errors import RatchetError
-
         raise RatchetError(f"device {device!r} was asked for (RATCHET_DEVICE) but torch sees no CUDA GPU")
     if dtype == "auto":
         dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
@@ -79,7 +80,6 @@ def _native_cpu(dtype: str) -> bool:
 
 def spec_placement(dtype: str = "auto") -> Placement:
     """The placement of a model spec's ``dtype`` under the current settings (device from ``Settings``)."""
-    from pipeline.settings import get_settings
 
     return placement(dtype=dtype, device=get_settings().device)
 

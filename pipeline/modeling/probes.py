@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from pipeline.environment.tinymodel import build_tokenizer
 from pipeline.errors import RatchetError
+from pipeline.experience.toolcalls import openai_tool_call
+from pipeline.modeling.pair import offered_tools
+from pipeline.modeling.prompting import render_messages
+from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped, encode_chat
 
 if TYPE_CHECKING:
     from pipeline.specs.harness import HarnessSpec
@@ -57,7 +62,6 @@ class Probe:
 
 
 def _call(name: str, n: int) -> dict[str, Any]:
-    from pipeline.experience.toolcalls import openai_tool_call
 
     return openai_tool_call({"name": name, "arguments": {}}, seed_text=f"probe#{n}")
 
@@ -65,8 +69,6 @@ def _call(name: str, n: int) -> dict[str, Any]:
 def probes(harness: HarnessSpec, specialists: list[str]) -> list[Probe]:
     """The probe conversations of ``specialists`` (those the harness declares), in the order they are
     checked: system prompt, tool result, exemplars, several calls."""
-    from pipeline.modeling.pair import offered_tools
-    from pipeline.modeling.prompting import render_messages
 
     user, answer = {"role": "user", "content": ASK}, {"role": "assistant", "content": ANSWER}
     out: list[Probe] = []
@@ -97,7 +99,6 @@ def probes(harness: HarnessSpec, specialists: list[str]) -> list[Probe]:
 
 def refusal(tokenizer: Any, probe: Probe, fmt: str) -> str | None:
     """What the chat template says when it refuses ``probe`` (its first line), or None when it takes it."""
-    from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped, encode_chat
 
     try:
         encode_chat(tokenizer, probe.messages, 1 << 30, fmt=fmt, tools=probe.tools)
@@ -156,8 +157,6 @@ def spec_tokenizer(model: ModelSpec, *, base_dir: Path | None, tokenizer_dir: Pa
     """The tokenizer (with its chat template) a model spec names: ``tokenizer_dir`` when the spec names
     one, else the base directory's; the tiny model's built in code (its base need not be built yet)."""
     if tokenizer_dir is None and model.base.path is None:
-        from pipeline.environment.tinymodel import build_tokenizer
-
         return build_tokenizer()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer

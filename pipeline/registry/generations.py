@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, selectinload
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
 from pipeline.registry.adapter_source import check_adapter_source
 from pipeline.registry.db import hold_lock
+from pipeline.registry.documents import AdapterMetrics, GenerationEvaluation, GenerationState, evaluation_of
 from pipeline.registry.models import (
     IN_FLIGHT,
     Adapter,
@@ -52,7 +53,7 @@ def create_generation(
     parent_id: int | None = None,
     status: str = GenerationStatus.candidate,
     actor: str = "ratchet",
-    state: dict[str, Any] | None = None,
+    state: GenerationState | dict[str, Any] | None = None,
 ) -> Generation:
     """Create the next generation of ``lineage`` with one adapter slot per specialist ("none yet" = None).
 
@@ -76,8 +77,8 @@ def create_generation(
         harness_version_id=harness_version_id,
         contract_version_id=contract_version_id,
         status=str(status),
-        state=state or {},
-        evaluation={},
+        state=GenerationState.model_validate(state or {}).as_stored(),
+        evaluation=GenerationEvaluation().as_stored(),
         adapters=[GenerationAdapter(specialist=s, adapter_id=adapters.get(s)) for s in specialists],
     )
     try:
@@ -285,7 +286,7 @@ def abandon_generation(*, session: Session, lineage: str = "main", reason: str, 
             "from": before,
             "after_step": gen.step,
             "lease_owner": holder,
-            "evaluated": "comparison" in (gen.evaluation or {}),
+            "evaluated": evaluation_of(gen).comparison is not None,
         },
         message=reason,
     )
@@ -314,7 +315,7 @@ def create_adapter(
     parent_adapter_id: int | None = None,
     mlflow_run_id: str | None = None,
     dataset_sha256: str | None = None,
-    metrics: dict[str, Any] | None = None,
+    metrics: AdapterMetrics | dict[str, Any] | None = None,
     method: str = "sft",
     actor: str = "ratchet",
     artifact_root: Path | None = None,
@@ -341,7 +342,7 @@ def create_adapter(
         mlflow_run_id=mlflow_run_id,
         dataset_sha256=dataset_sha256,
         method=method,
-        metrics=metrics or {},
+        metrics=AdapterMetrics.model_validate(metrics or {}).as_stored(),
     )
     session.add(row)
     session.flush()

@@ -116,14 +116,18 @@ def spend(
 
 def _record_items(session: Session, suites: set[str], items: Mapping[str, Sequence[str]]) -> None:
     """Write the item keys of each of ``suites`` the ledger has not seen (once per suite; a suite with no
-    items is its own one item, so its tests still count)."""
-    for suite in sorted(suites):
-        if session.scalar(select(exists().where(SuiteItem.suite_sha256 == suite))):
-            continue
+    items is its own one item, so its tests still count). One query finds the suites seen; the keys go in
+    as one Core executemany per suite (the ORM's bulk insert took three times as long)."""
+    seen = set(
+        session.scalars(
+            select(SuiteItem.suite_sha256).where(SuiteItem.suite_sha256.in_(sorted(suites))).distinct()
+        )
+    )
+    for suite in sorted(suites - seen):
         if suite not in items:
             raise ValueError(f"suite {suite[:12]}: the ledger has not seen it and was given no item keys")
         keys = sorted(set(items[suite])) or [suite]
-        session.execute(insert(SuiteItem), [{"suite_sha256": suite, "item_key": k} for k in keys])
+        session.execute(insert(SuiteItem.__table__), [{"suite_sha256": suite, "item_key": k} for k in keys])
 
 
 def _tested(session: Session, *, test: str, suite: str, family: str, generation_id: int) -> int:

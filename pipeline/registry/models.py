@@ -31,6 +31,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from pipeline.registry.locations import HomePath
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -133,7 +135,7 @@ class BaseModelRow(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     content_hash: Mapped[str] = mapped_column(String(64))
-    path: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(HomePath)  # relative to RATCHET_HOME when inside it (locations.py)
     spec: Mapped[dict] = mapped_column(JSONText)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -177,7 +179,7 @@ class Adapter(Base):
     rank: Mapped[int] = mapped_column(Integer)
     alpha: Mapped[float] = mapped_column(Float)
     target_modules: Mapped[list] = mapped_column(JSONText)
-    artifact_uri: Mapped[str] = mapped_column(Text)
+    artifact_uri: Mapped[str] = mapped_column(HomePath)  # relative to RATCHET_HOME when inside it
     sha256: Mapped[str] = mapped_column(String(64))
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     mlflow_model_version: Mapped[str | None] = mapped_column(String(32))
@@ -357,7 +359,7 @@ class TrainingDataset(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     generation_id: Mapped[int] = mapped_column(ForeignKey("generations.id", ondelete="CASCADE"))
     specialist: Mapped[str] = mapped_column(String(100))
-    path: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(HomePath)  # relative to RATCHET_HOME when inside it
     sha256: Mapped[str] = mapped_column(String(64))
     num_rows: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.errors import ConflictError, NotFoundError
 from pipeline.registry.db import hold_lock
+from pipeline.registry.locations import stored_path
 from pipeline.registry.models import AuditLog, BaseModelRow, ContractVersion, HarnessVersion, StoredFile
 from pipeline.specs.loading import content_hash
 
@@ -108,11 +109,13 @@ def register_base_model(
     *, session: Session, name: str, path: str, spec: dict[str, Any], actor: str = "user"
 ) -> BaseModelRow:
     """Store a base model by name; re-registering the same name with another spec is refused."""
-    digest = content_hash({"spec": spec, "path": path})
+    # hashed as stored (relative to a home it lies in: the home may move); a registry written before paths were
+    # stored so hashed the absolute path, which is accepted too
+    digest = content_hash({"spec": spec, "path": stored_path(path)})
     hold_lock(session=session, key=f"base_model:{name}")
     existing = session.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
     if existing is not None:
-        if existing.content_hash != digest:
+        if existing.content_hash not in (digest, content_hash({"spec": spec, "path": path})):
             raise ConflictError(
                 f"base model {name!r} is already registered with a different spec or path "
                 f"({existing.path}): register it under a new name"
@@ -127,7 +130,7 @@ def register_base_model(
         entity="base_models",
         entity_id=row.id,
         action="register",
-        details={"name": name, "path": path},
+        details={"name": name, "path": stored_path(path)},
     )
     return row
 

@@ -21,6 +21,7 @@ from pipeline.sandbox.launcher import (
     unavailable,
 )
 from pipeline.sandbox.zygote import Zygote, ZygoteLost, probe, zygote
+from pipeline.settings import get_settings
 
 __all__ = [
     "SANDBOX_UID",
@@ -49,8 +50,6 @@ def _checked(mode: Mode) -> Launcher:
 def launcher(mode: Mode | None = None) -> Launcher:
     """The launcher of ``mode`` (default: the ``RATCHET_SANDBOX`` setting), tried once per process."""
     if mode is None:
-        from pipeline.settings import get_settings
-
         mode = get_settings().sandbox
     return _checked(mode)
 

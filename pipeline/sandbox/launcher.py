@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.errors import RatchetError
+from pipeline.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,6 @@ def _interpreters() -> list[tuple[str, str]]:
 
 def _sensitive_paths() -> list[str]:
     """What sandboxed code must never see: the registry, the artifact store, the project source."""
-    from pipeline.settings import get_settings
 
     settings = get_settings()
     paths = [settings.home, settings.artifacts_dir, Path(__file__).resolve().parent.parent]

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import Request
 
 from pipeline.experience.principals import ANONYMOUS_PRINCIPAL, OPERATOR_PRINCIPAL, Principal, key_digest
+from pipeline.registry import active_principals, session_scope
 from pipeline.serving.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,6 @@ class Access:
 
 
 def _read_keys(db: Any) -> dict[str, Principal]:
-    from pipeline.registry import active_principals, session_scope
 
     with session_scope(db) as session:
         return active_principals(session=session)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.errors import RatchetError
+from pipeline.modeling.templating import encode_prompt, encode_text
 from pipeline.serving.runtime import UNKNOWN, Abort, AdapterSource, GenerationRequest, MixtureRuntime
 from pipeline.serving.scheduler import MicroBatchScheduler
 
@@ -141,8 +142,6 @@ class ExternalEngine:
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         if self.tokenizer is not None:
-            from pipeline.modeling.templating import encode_prompt
-
             return len(encode_prompt(self.tokenizer, messages, fmt="openai", tools=tools))
         chars = sum(len(str(m.get("content") or "")) + 8 for m in messages) + len(str(tools or ""))
         return int(chars / self.chars_per_token) + 1
@@ -202,8 +201,6 @@ class ExternalEngine:
     def _stopped(self, request: EngineRequest, text: str) -> EngineResult:
         reason = (request.abort.reason if request.abort is not None else None) or "cancelled"
         if self.tokenizer is not None:
-            from pipeline.modeling.templating import encode_text
-
             tokens = encode_text(self.tokenizer, text)  # the model's text, counted as text
         else:
             tokens = []

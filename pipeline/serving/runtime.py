@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
 from pipeline.modeling.decoding import end_token_ids
+from pipeline.modeling.placement import placement
+from pipeline.modeling.templating import encode_prompt, encode_text
+from pipeline.serving import mixlora
 from pipeline.serving.adapters import (
     CONFIG,
     PICKLES,
@@ -76,7 +79,6 @@ def load_runtime(
         raise RatchetError(
             f"base model directory {base_path} has no safetensors weights (pickles are refused)"
         )
-    from pipeline.modeling.placement import placement
 
     where = where or placement(device=device)
     device = where.device
@@ -112,8 +114,6 @@ class MixtureRuntime:
     ):
         import threading
 
-        from pipeline.serving import mixlora
-
         self.lock = threading.Lock()  # one forward pass at a time: the per-row adapter state is shared
         self.model = model
         self.tokenizer = tokenizer
@@ -141,7 +141,6 @@ class MixtureRuntime:
     def _install(self) -> None:
         """Take over the attached adapters' LoRA layers (``mixlora``) for mixed batches, again after the
         attached set changed."""
-        from pipeline.serving import mixlora
 
         self.model = self.pool.model
         if self.segmented is not None:
@@ -211,7 +210,6 @@ class MixtureRuntime:
         context (tool calls in the harness's format, the offered tools' schemas given to the template; what
         the client sent is inert text, only the template's scaffolding is special tokens). A template that
         refuses the conversation raises ``jinja2.TemplateError``."""
-        from pipeline.modeling.templating import encode_prompt
 
         return encode_prompt(self.tokenizer, messages, fmt=self.tool_call_format, tools=tools)
 
@@ -269,8 +267,6 @@ class MixtureRuntime:
     ) -> dict[str, float]:
         """Constrained label decoding: P(label | conversation) under ``adapter``, over ``labels`` only."""
         import torch
-
-        from pipeline.modeling.templating import encode_text
 
         prompt = self.encode(messages)
         rows = [prompt + encode_text(self.tokenizer, lab) for lab in labels]

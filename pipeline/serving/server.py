@@ -43,6 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import NotFoundError, RatchetError
 from pipeline.experience.principals import SCOPES, Principal, parse_scopes
+from pipeline.registry import Experience, create_api_key, list_api_keys, revoke_api_key, session_scope
+from pipeline.scoring import rescore_experience
 from pipeline.serving.access import Access
 from pipeline.serving.limits import Admission, KeyLimit, read_body, watch_disconnect
 from pipeline.serving.protocol import (
@@ -359,8 +361,6 @@ async def _spool_feedback(state: ServerState, body: FeedbackRequest, who: Princi
 def _served_turn_stored(db: Any, completion_id: str) -> bool:
     from sqlalchemy import select
 
-    from pipeline.registry import Experience, session_scope
-
     with session_scope(db) as session:
         return (
             session.scalar(select(Experience.id).where(Experience.completion_id == completion_id)) is not None
@@ -372,9 +372,6 @@ def _rescore(db: Any, completion_id: str, timeout_s: float) -> int:
     history): a rating or correction that arrives late still counts. Returns how many re-scored it. Runs in a
     thread; a scoring still running after ``timeout_s`` is stored as not verified (``rescore_experience``)."""
     from sqlalchemy import select
-
-    from pipeline.registry import Experience, session_scope
-    from pipeline.scoring import rescore_experience
 
     with session_scope(db) as session:
         experience_id = session.scalar(select(Experience.id).where(Experience.completion_id == completion_id))
@@ -418,14 +415,12 @@ def _key_info(row: Any, value: str | None = None) -> KeyInfo:
 
 
 def _list_keys(db: Any) -> list[KeyInfo]:
-    from pipeline.registry import list_api_keys, session_scope
 
     with session_scope(db) as session:
         return [_key_info(row) for row in list_api_keys(session=session)]
 
 
 def _create_key(db: Any, body: KeyRequest, actor: str) -> KeyInfo:
-    from pipeline.registry import create_api_key, session_scope
 
     with session_scope(db) as session:
         row, value = create_api_key(
@@ -435,7 +430,6 @@ def _create_key(db: Any, body: KeyRequest, actor: str) -> KeyInfo:
 
 
 def _revoke_key(db: Any, name: str, actor: str) -> KeyInfo:
-    from pipeline.registry import revoke_api_key, session_scope
 
     with session_scope(db) as session:
         return _key_info(revoke_api_key(session=session, name=name, actor=actor))

@@ -27,7 +27,7 @@ from jinja2 import TemplateError
 from pipeline.errors import RatchetError
 from pipeline.experience.principals import ANONYMOUS_PRINCIPAL, Principal
 from pipeline.experience.toolcalls import assistant_message
-from pipeline.registry import TraceRow
+from pipeline.registry import TraceRow, get_engine
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
 from pipeline.serving.limits import Admission, Slot
 from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
@@ -51,6 +51,7 @@ from pipeline.serving.views import (
     extract_summary,
     summary_messages,
 )
+from pipeline.settings import get_settings
 from pipeline.specs.harness import DecodingParams
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,6 @@ class ServerState:
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         cfg = self.config
-        from pipeline.registry import get_engine
 
         self.db = await asyncio.to_thread(get_engine, cfg.registry_url or _default_url())
         self.recorder = await asyncio.to_thread(
@@ -484,14 +484,12 @@ def spool_dir(config: ServeConfig) -> Path:
     registry, so a home shared by two registries never replays one's turns into the other."""
     if config.spool_dir:
         return Path(config.spool_dir)
-    from pipeline.settings import get_settings
 
     url = config.registry_url or _default_url()
     return get_settings().ensure_home() / "spool" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _default_url() -> str:
-    from pipeline.settings import get_settings
 
     settings = get_settings()
     settings.ensure_home()

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from pipeline.errors import NotFoundError, RatchetError
+from pipeline.registry import get_engine, load_stored_file, session_scope
 from pipeline.specs.loading import content_hash, file_sha256, load_spec
 from pipeline.specs.scorers import (  # noqa: F401 - re-exported: the contract's public vocabulary
     DEFAULT_SCOPE,
@@ -587,7 +588,6 @@ def file_reader(contract: ContractSpec, contract_path: str | Path | None = None)
         return lambda digest: paths[digest].read_text(encoding="utf-8")
 
     def stored(digest: str) -> str:
-        from pipeline.registry import get_engine, load_stored_file, session_scope
 
         with session_scope(get_engine()) as session:
             return load_stored_file(session=session, sha256=digest).decode("utf-8")

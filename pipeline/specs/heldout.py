@@ -59,7 +59,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
 from pipeline.experience.texts import KEPT_CHARS, KEPT_TEXTS, json_strings, message_texts, trimmed, words
+from pipeline.specs.contract import contract_hash, file_reader
 from pipeline.specs.loading import content_hash
+from pipeline.specs.tasksource import canonical_of, draw, generator_source
 
 if TYPE_CHECKING:
     from pipeline.specs.contract import ContractSpec, HeldoutSuite, RetentionSuite
@@ -103,7 +105,6 @@ def _drawn(
 ) -> tuple[list[dict[str, Any]], Canonical | None]:
     """A suite's items (marked held-out) and its source's ``canonical``: a generated suite's generator's
     ``heldout`` split, or a file suite (in the form of its specialist's generated tasks, when it has some)."""
-    from pipeline.specs.tasksource import canonical_of, draw, generator_source
 
     if suite.generator is not None:
         source = generator_source(suite.generator, specialist=suite.specialist, options=suite.options)
@@ -163,7 +164,6 @@ def _retention(contract: ContractSpec, read: Callable[[str], str]) -> list[tuple
 def _suites(contract: ContractSpec, contract_path: Path | None) -> list[Suite]:
     """What the exclusion predicate holds out: every held-out suite (all a fresh one could draw) and every
     retention suite (labelled ``retention <name>``)."""
-    from pipeline.specs.contract import file_reader
 
     read = file_reader(contract, contract_path)
     kept = [
@@ -179,7 +179,6 @@ def resolve_suites(
     contract file's directory (sha256-checked), or without one from the registry, which stored them at
     registration; generated suites from their task generator's ``heldout`` split; a ``fresh`` suite is the
     sample of the champion of generation ``epoch`` (``fresh_seed``; its own seed when None)."""
-    from pipeline.specs.contract import file_reader
 
     suites: dict[str, list[dict[str, Any]]] = {}
     for specialist, items, _ in _heldout(
@@ -193,7 +192,6 @@ def resolve_retention(
     contract: ContractSpec, *, contract_path: Path | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """Items of every retention suite of the contract, by suite name (held out like ``resolve_suites``')."""
-    from pipeline.specs.contract import file_reader
 
     return {name: items for name, (_, items, _) in _retention(contract, file_reader(contract, contract_path))}
 
@@ -472,7 +470,6 @@ _INDEXES: dict[str, HeldoutIndex] = {}
 def heldout_index(contract: ContractSpec, *, contract_path: Path | None = None) -> HeldoutIndex:
     """The contract's exclusion predicate (built once per contract content in this process; before
     registration, ``contract_path`` locates its file suites)."""
-    from pipeline.specs.contract import contract_hash
 
     key = contract_hash(contract)
     if key not in _INDEXES:

@@ -25,7 +25,10 @@ def _version_str(value: Any) -> Any:
 
 
 def _check_regex(value: str) -> str:
-    from pipeline.scoring.patterns import PatternError, compile_pattern
+    from pipeline.scoring.patterns import (  # lazy: import cycle via pipeline.scoring
+        PatternError,
+        compile_pattern,
+    )
 
     try:  # RE2, the engine that runs it (``pipeline.scoring.patterns``): what it cannot run is refused here
         compile_pattern(value)
@@ -37,7 +40,7 @@ def _check_regex(value: str) -> str:
 def _check_json_schema(value: dict[str, Any]) -> dict[str, Any]:
     import jsonschema
 
-    from pipeline.scoring.patterns import check_schema
+    from pipeline.scoring.patterns import check_schema  # lazy: import cycle via pipeline.scoring
 
     try:
         check_schema(jsonschema.validators.validator_for(value), value)

@@ -57,6 +57,14 @@ from collections.abc import Callable, Hashable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pipeline.environment import (
+    FAMILIES,
+    execute_call,
+    heldout_suite,
+    initial_state,
+    perturbed_items,
+    sample_prompts,
+)
 from pipeline.environment.problems import problem_keys
 from pipeline.errors import RatchetError
 
@@ -164,7 +172,6 @@ class DemoTasks:
     """The demo environment's items of one family (``pipeline.environment``)."""
 
     def __init__(self, *, specialist: str, family: str | None = None):
-        from pipeline.environment import FAMILIES
 
         self.family = family or specialist
         if self.family not in FAMILIES:
@@ -174,7 +181,6 @@ class DemoTasks:
             )
 
     def items(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-        from pipeline.environment import heldout_suite, sample_prompts
 
         if split == "heldout":
             return heldout_suite(self.family, n, seed)
@@ -183,7 +189,6 @@ class DemoTasks:
     def variants(self, items: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
         """Up to ``n`` perturbed training items (``pipeline.environment.perturbed_items``: nearby operands,
         swapped order, another tool or widget; training-split problems only), each with its answer."""
-        from pipeline.environment import perturbed_items
 
         return perturbed_items(self.family, items, n, seed)
 
@@ -193,14 +198,12 @@ class DemoTasks:
 
     def reset(self, item: dict[str, Any]) -> dict[str, Any]:
         """The action substrate before an episode (the ``agent`` family's timer and cart)."""
-        from pipeline.environment import initial_state
 
         return initial_state()
 
     def act(self, state: dict[str, Any], call: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Execute one tool call against the substrate: ``(new state, result)``; the result is the new state,
         or an error (unknown tool, invalid arguments) that leaves the state as it was."""
-        from pipeline.environment import execute_call
 
         return execute_call(state, call)
 

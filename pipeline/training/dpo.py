@@ -10,7 +10,7 @@ log ref(y-))))`` over the reply's tokens (only the final assistant turn is label
 ``sft_weight`` times the preferred reply's mean negative log-likelihood (RPO), which keeps pure DPO from
 lowering the preferred reply's probability along with the other's.
 
-Why not TRL's ``DPOTrainer`` (``README.md``, *Training methods*): its checkpoints keep optimizer, scheduler
+Why not TRL's ``DPOTrainer`` (``docs/methods.md``, *Training methods*): its checkpoints keep optimizer, scheduler
 and RNG state as pickles, which no training artifact of Ratchet is ever read through (``checkpoint``); and a
 pair must be rendered exactly as SFT and serving render it (``templating.encode_chat``: the harness's tool-call
 format, tool schemas to the template, non-prefix-stable templates), which this job shares with SFT instead
@@ -37,19 +37,35 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.modeling.placement import placement
+from pipeline.modeling.templating import IGNORE, encode_chat
 from pipeline.specs.loading import content_hash, weights_sha256
+from pipeline.training.artifacts import save_adapter, stored_dataset_sha256
+from pipeline.training.checkpoint import resume, save_checkpoint
+from pipeline.training.job import (
+    LOSS_POINTS,
+    NO_TARGET,
+    ROW_ERRORS,
+    TrainResult,
+    batch_indices,
+    finish,
+    finished_before,
+    git_describe,
+    log_dropped,
+    sequence_limit,
+    skip_reason,
+)
+from pipeline.training.kernels import merged_lora
+from pipeline.training.likelihood import optimizer, policy_model, reference_model, sequence_logprobs
 
 if TYPE_CHECKING:
     from pipeline.modeling.placement import Placement
     from pipeline.registry.tracking import Tracker
     from pipeline.specs.modelspec import DpoSettings, LoraConfig
-    from pipeline.training.job import TrainResult
 
 log = logging.getLogger(__name__)
 
 REFERENCE_BATCH = 256  # pairs per reference forward (no gradients: memory is activations only)
-WARMUP_STEPS = 10
-CHECKPOINT_EVERY = 50
 
 
 def train_dpo(
@@ -82,26 +98,6 @@ def train_dpo(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.modeling.placement import placement
-    from pipeline.modeling.templating import IGNORE, encode_chat
-    from pipeline.training.artifacts import save_adapter
-    from pipeline.training.checkpoint import resume, save_checkpoint
-    from pipeline.training.job import (
-        LOSS_POINTS,
-        NO_TARGET,
-        ROW_ERRORS,
-        TrainResult,
-        batch_indices,
-        finish,
-        finished_before,
-        git_describe,
-        log_dropped,
-        sequence_limit,
-        skip_reason,
-    )
-    from pipeline.training.kernels import merged_lora
-    from pipeline.training.likelihood import optimizer, policy_model, reference_model, sequence_logprobs
-
     # ---- setup -------------------------------------------------------------------------------------
     base_model_dir, dataset_dir, output_dir = Path(base_model_dir), Path(dataset_dir), Path(output_dir)
     if not (dataset_dir / "state.json").is_file():
@@ -112,7 +108,7 @@ def train_dpo(
         raise RatchetError(f"{dataset_dir}: a preference dataset needs columns messages and rejected (missing "
                            f"{', '.join(sorted(missing))})")  # fmt: skip
     rows = table.to_list()
-    data_hash = pairs_sha256(rows)
+    data_hash = stored_dataset_sha256(table)  # the hash curation recorded for it in the registry
     torch.manual_seed(seed)
     random.seed(seed)
     where = where or placement()
@@ -169,7 +165,7 @@ def train_dpo(
         [sum(label != IGNORE for label in c[1]) for c, _ in pairs], dtype=torch.float32, device=where.device
     )
     model.train()
-    params, optim, sched = optimizer(model, lr=settings.lr, warmup_steps=WARMUP_STEPS)
+    params, optim, sched = optimizer(model, lr=settings.lr, warmup_steps=settings.warmup_steps)
     per_epoch = math.ceil(len(pairs) / settings.batch_size)
     total = settings.max_steps or max(1, math.ceil(settings.epochs * per_epoch))
     job_key = content_hash(
@@ -239,7 +235,7 @@ def train_dpo(
             if progress is not None:
                 progress(step, total, loss_value)
             interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
-            if step % CHECKPOINT_EVERY == 0 or interrupted:
+            if step % settings.checkpoint_every == 0 or interrupted:
                 save_checkpoint(ckpt_root, job_key=job_key, step=step, model=model, optim=optim, sched=sched,
                                 get_state=get_peft_model_state_dict)  # fmt: skip
             if interrupted:
@@ -285,10 +281,3 @@ def train_dpo(
         dropped=dropped,
     )
     return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)
-
-
-def pairs_sha256(rows: list[dict[str, Any]]) -> str:
-    """Content hash of a preference set: both conversations of every pair (independent of file layout)."""
-    from pipeline.training.job import dataset_sha256
-
-    return dataset_sha256([{"messages": [r["messages"], r["rejected"]]} for r in rows])

@@ -20,7 +20,7 @@ pays for the episode's last turn a verifying scorer checked (``scoring.episode_r
 the policy wrote up to it is trained on (``likelihood.encode_episode``), a turn after it that nothing checked
 never is; tool results, prompts, exemplars and the task item's own turns are context.
 
-Why not TRL's ``GRPOTrainer`` (``README.md``, *Training methods*): its multi-turn tool loop reads calls
+Why not TRL's ``GRPOTrainer`` (``docs/methods.md``, *Training methods*): its multi-turn tool loop reads calls
 through transformers' response templates, a second parser beside the one the contract's scorers and the
 server use (it knows neither the compact format of the demo nor every harness's), its checkpoints are
 pickles, and its rollouts use ``generate`` where this job uses the project's batched decoder.
@@ -46,19 +46,42 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.experience.toolcalls import assistant_message, from_openai, tool_names
+from pipeline.modeling.decoding import SamplingConfig, generate
+from pipeline.modeling.placement import placement
+from pipeline.modeling.templating import encode_prompt
 from pipeline.specs.loading import content_hash, weights_sha256
+from pipeline.training.artifacts import save_adapter
+from pipeline.training.checkpoint import resume, save_checkpoint
+from pipeline.training.job import (
+    LOSS_POINTS,
+    ROW_ERRORS,
+    TrainResult,
+    batch_indices,
+    finish,
+    finished_before,
+    git_describe,
+    log_dropped,
+    sequence_limit,
+    skip_reason,
+)
+from pipeline.training.kernels import merged_lora
+from pipeline.training.likelihood import (
+    encode_episode,
+    optimizer,
+    policy_model,
+    reference_model,
+    sequence_logprobs,
+)
 
 if TYPE_CHECKING:
     from pipeline.modeling.placement import Placement
     from pipeline.registry.tracking import Tracker
     from pipeline.scoring import EpisodeReward
     from pipeline.specs.modelspec import GrpoSettings, LoraConfig
-    from pipeline.training.job import TrainResult
 
 log = logging.getLogger(__name__)
 
-WARMUP_STEPS = 5
-CHECKPOINT_EVERY = 20
 ADVANTAGE_EPS = 1e-4
 
 
@@ -107,30 +130,6 @@ def train_grpo(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.modeling.placement import placement
-    from pipeline.training.artifacts import save_adapter
-    from pipeline.training.checkpoint import resume, save_checkpoint
-    from pipeline.training.job import (
-        LOSS_POINTS,
-        ROW_ERRORS,
-        TrainResult,
-        batch_indices,
-        finish,
-        finished_before,
-        git_describe,
-        log_dropped,
-        sequence_limit,
-        skip_reason,
-    )
-    from pipeline.training.kernels import merged_lora
-    from pipeline.training.likelihood import (
-        encode_episode,
-        optimizer,
-        policy_model,
-        reference_model,
-        sequence_logprobs,
-    )
-
     # ---- setup -------------------------------------------------------------------------------------
     base_model_dir, output_dir = Path(base_model_dir), Path(output_dir)
     if not episodes.items:
@@ -161,7 +160,7 @@ def train_grpo(
         reference = reference_model(
             base_model_dir, parent_adapter_dir=parent_adapter_dir, where=where, tokenizer_dir=tokenizer_dir
         )
-    params, optim, sched = optimizer(model, lr=settings.lr, warmup_steps=WARMUP_STEPS)
+    params, optim, sched = optimizer(model, lr=settings.lr, warmup_steps=settings.warmup_steps)
     total = settings.steps
     job_key = content_hash(
         {
@@ -280,7 +279,7 @@ def train_grpo(
             if progress is not None:
                 progress(step, total, reward_mean)
             interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
-            if step % CHECKPOINT_EVERY == 0 or interrupted:
+            if step % settings.checkpoint_every == 0 or interrupted:
                 save_checkpoint(ckpt_root, job_key=job_key, step=step, model=model, optim=optim, sched=sched,
                                 get_state=get_peft_model_state_dict)  # fmt: skip
             if interrupted:
@@ -356,10 +355,6 @@ def roll_out(
     policy's replies and, where the substrate executed calls, their results."""
     from jinja2 import TemplateError
 
-    from pipeline.experience.toolcalls import assistant_message, tool_names
-    from pipeline.modeling.decoding import SamplingConfig, generate
-    from pipeline.modeling.templating import encode_prompt
-
     runs = []
     for item in items:
         meta = dict(item.get("metadata") or {})
@@ -430,6 +425,5 @@ def roll_out(
 
 
 def _call(tool_call: dict[str, Any]) -> dict[str, Any]:
-    from pipeline.experience.toolcalls import from_openai
 
     return from_openai([tool_call])[0]

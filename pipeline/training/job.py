@@ -23,7 +23,6 @@ has the adapter, so that a step failing in between reuses the job (``finished_be
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -39,37 +38,65 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
+from pipeline.experience.toolcalls import normalize_tool_calls
+from pipeline.modeling.packing import packed_tensors
+from pipeline.modeling.placement import placement
+from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped, encode_chat
+from pipeline.shipped import DISTRIBUTION
 from pipeline.specs.loading import content_hash, weights_sha256
+from pipeline.specs.modelspec import ALL_LINEAR as ALL_LINEAR  # re-exported: pipeline.training.ALL_LINEAR
+from pipeline.specs.modelspec import LoraConfig, TrainDefaults
+from pipeline.training.artifacts import conversations_sha256, save_adapter, stored_dataset_sha256
+from pipeline.training.checkpoint import discard, finished_result, record_finished, resume, save_checkpoint
+from pipeline.training.kernels import assistant_loss, merged_lora
+from pipeline.training.likelihood import optimizer, policy_model
 
 if TYPE_CHECKING:
     from pipeline.modeling.placement import Placement
+    from pipeline.specs.modelspec import SpecialistModel
 
 log = logging.getLogger(__name__)
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA, _TRAINING = LoraConfig(), TrainDefaults()  # the model spec's defaults: the one place they are written
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """LoRA hyperparameters and the schedule of one training job."""
+    """LoRA hyperparameters and the schedule of one training job: a specialist's ``lora`` and ``training``
+    sections of the model spec (``LoraConfig``, ``TrainDefaults``: their descriptions, and the defaults
+    these are), plus the run's seed and the harness's tool-call format. ``from_spec`` builds it from a
+    specialist's spec."""
 
-    rank: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ALL_LINEAR
-    lr: float = 5e-4
-    epochs: float = 2.0
-    max_steps: int | None = None  # when set, overrides epochs
-    batch_size: int = 64  # examples per optimizer step
-    seed: int = 0
-    checkpoint_every: int = 50
+    rank: int = _LORA.rank
+    alpha: float = _LORA.alpha
+    dropout: float = _LORA.dropout
+    target_modules: tuple[str, ...] = tuple(_LORA.target_modules)
+    lr: float = _TRAINING.lr
+    epochs: float = _TRAINING.epochs
+    max_steps: int | None = _TRAINING.max_steps  # when set, overrides epochs
+    batch_size: int = _TRAINING.batch_size  # examples per optimizer step
+    seed: int = 0  # the advance's ``step_seed`` of this specialist and generation
+    checkpoint_every: int = _TRAINING.checkpoint_every
     # examples are truncated to this; also the packed row length. None: the model's own context length,
     # at most MAX_SEQ_LEN_DEFAULT (memory grows with it)
-    max_seq_len: int | None = None
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    # how tool calls appear in the rendered conversation (the contract's ``tool_call_format``)
+    max_seq_len: int | None = _TRAINING.max_seq_len
+    warmup_steps: int = _TRAINING.warmup_steps
+    weight_decay: float = _TRAINING.weight_decay
+    # how tool calls appear in the rendered conversation (the harness's ``tool_call_format``)
     tool_call_format: str = "compact"
+
+    @classmethod
+    def from_spec(cls, specialist: SpecialistModel, *, seed: int, tool_call_format: str) -> TrainConfig:
+        """The job a specialist's model spec describes: every field of its ``lora`` and ``training``
+        sections, by name (a field of either that this class lacks is a ``TypeError`` here, never a knob
+        silently dropped)."""
+        lora = specialist.lora.model_dump()
+        return cls(
+            **{**lora, "target_modules": tuple(lora["target_modules"])},
+            **specialist.training.model_dump(),
+            seed=seed,
+            tool_call_format=tool_call_format,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,18 +141,15 @@ def git_describe(cwd: Path | None = None) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return f"ratchet {version('ratchet')}"
+        return f"ratchet {version(DISTRIBUTION)}"
     except PackageNotFoundError:
         return "unknown"
 
 
 def dataset_sha256(rows: list[dict[str, Any]]) -> str:
-    """Content hash of a training set's conversations (independent of arrow file layout)."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row["messages"], sort_keys=True, separators=(",", ":")).encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
+    """Content hash of rows' conversations (independent of arrow file layout). A stored training set's hash
+    is ``artifacts.stored_dataset_sha256``: of its rows as loaded back, which Arrow may have filled in."""
+    return conversations_sha256(row["messages"] for row in rows)
 
 
 def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
@@ -134,13 +158,11 @@ def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
     would give the column no type."""
     from datasets import Dataset
 
-    from pipeline.experience.toolcalls import normalize_tool_calls
-
     rows = [{"messages": normalize_tool_calls(t["messages"])} for t in traces]
     if not rows:
         raise RatchetError(f"{dataset_dir}: no traces to write (a training set needs at least one)")
     Dataset.from_list(rows).save_to_disk(str(dataset_dir))
-    return dataset_sha256(rows)
+    return stored_dataset_sha256(dataset_dir)
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -165,7 +187,6 @@ ROW_ERRORS = (ValueError, TypeError, TemplateError)
 
 def skip_reason(exc: BaseException) -> str:
     """The reason a row that raised one of ``ROW_ERRORS`` is counted under."""
-    from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped
 
     if isinstance(exc, RowSkipped):
         return exc.reason
@@ -179,7 +200,6 @@ def encode_rows(
     oldest context cut to fit ``max_len``, never the target's end), and the rows left out by reason -- the
     chat template refuses the row, it does not fit, the template rewrites the trained turn, nothing to train
     on. A job never stops on one row."""
-    from pipeline.modeling.templating import encode_chat
 
     examples, dropped = [], {}
     for r in rows:
@@ -211,7 +231,6 @@ def log_dropped(tracker: Any, dropped: dict[str, int], step: int = 0) -> None:
 def finished_before(ckpt_root: Path, *, job_key: str) -> TrainResult | None:
     """The result of this job when it finished before and the training step has not committed it yet
     (``checkpoint.finished_result``): nothing is trained again and no second MLflow run is opened."""
-    from pipeline.training.checkpoint import finished_result
 
     done = finished_result(ckpt_root, job_key=job_key)
     if done is None:
@@ -223,7 +242,6 @@ def finished_before(ckpt_root: Path, *, job_key: str) -> TrainResult | None:
 def finish(ckpt_root: Path, *, job_key: str, result: TrainResult, keep: bool) -> TrainResult:
     """A job's end: its checkpoints are deleted, or, with ``keep`` (the training step's jobs, until the
     registry has the adapter), kept with the result recorded beside them (``checkpoint.record_finished``)."""
-    from pipeline.training.checkpoint import discard, record_finished
 
     if keep:
         record_finished(
@@ -269,13 +287,6 @@ def train_lora(
     from peft import get_peft_model_state_dict
     from transformers import AutoTokenizer
 
-    from pipeline.modeling.packing import packed_tensors
-    from pipeline.modeling.placement import placement
-    from pipeline.training.artifacts import save_adapter
-    from pipeline.training.checkpoint import resume, save_checkpoint
-    from pipeline.training.kernels import assistant_loss, merged_lora
-    from pipeline.training.likelihood import optimizer, policy_model
-
     # ---- setup -------------------------------------------------------------------------------------
     base_model_dir, dataset_dir, output_dir = Path(base_model_dir), Path(dataset_dir), Path(output_dir)
     if not (dataset_dir / "dataset_info.json").is_file() and not (dataset_dir / "state.json").is_file():
@@ -283,8 +294,8 @@ def train_lora(
     rows = load_from_disk(str(dataset_dir))
     if "messages" not in rows.column_names:
         raise RatchetError(f"{dataset_dir}: dataset has no 'messages' column (columns: {rows.column_names})")
+    data_hash = stored_dataset_sha256(rows)  # the hash curation recorded for it in the registry
     rows = rows.to_list()
-    data_hash = dataset_sha256(rows)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     where = where or placement()

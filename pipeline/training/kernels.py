@@ -14,6 +14,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeline.modeling.packing import IGNORE
+
 __all__ = ["LOGIT_PROCESSING", "assistant_loss", "label_logprobs", "merged_lora"]
 
 
@@ -122,8 +124,6 @@ def label_logprobs(model: Any, tensors: dict[str, Any]) -> tuple[Any, Any]:
 
     found = _labelled_logits(model, tensors)
     if found is None:  # a model that post-processes logits: its own full forward
-        from pipeline.modeling.packing import IGNORE
-
         logits = model(**_model_inputs(tensors), use_cache=False).logits[:, :-1]
         targets = tensors["labels"][:, 1:]
         keep = targets != IGNORE
@@ -144,7 +144,6 @@ def _model_inputs(tensors: dict[str, Any]) -> dict[str, Any]:
 def _labelled_logits(model: Any, tensors: dict[str, Any]) -> tuple[Any, Any, Any] | None:
     """Logits at the positions before each label, the labels, and those positions' flat indices (in the
     ``[rows, L - 1]`` grid); None for a model whose logits need its own forward."""
-    from pipeline.modeling.packing import IGNORE
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
+from pipeline.modeling.decoding import attn_implementation_for, load_model
+from pipeline.modeling.packing import packed_tensors
+from pipeline.modeling.templating import IGNORE, RowSkipped, encode_chat
+from pipeline.training.kernels import label_logprobs
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +45,6 @@ def policy_model(
     """The trainable peft model a job starts from: the parent's adapter, or a fresh LoRA of that shape."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from pipeline.modeling.decoding import attn_implementation_for
 
     if (
         parent_adapter_dir is not None
@@ -87,7 +89,6 @@ def reference_model(
 ) -> PreTrainedModel:
     """The frozen model a job is held to (the parent pair: its adapter merged into a copy of the base; the
     bare base without a parent). Memory: one more copy of the base's weights."""
-    from pipeline.modeling.decoding import load_model
 
     model, _ = load_model(base_model_dir, parent_adapter_dir, where=where, tokenizer_dir=tokenizer_dir)
     for p in model.parameters():
@@ -112,7 +113,6 @@ def encode_episode(
     unlabelled. Tool results and user turns are never labelled; what the model wrote is inert text, so a
     label is never a role token it did not write. ``templating.RowSkipped`` as ``encode_chat`` (the template
     refuses the episode, it does not fit, it rewrites the final turn): the caller leaves it out, counted."""
-    from pipeline.modeling.templating import IGNORE, RowSkipped, encode_chat
 
     ids, labels = encode_chat(tokenizer, messages, max_len, fmt=fmt, tools=tools)
     labels = list(labels)
@@ -141,9 +141,6 @@ def sequence_logprobs(
     ``[N]``, every labelled token's log-probability ``[T]`` and the example it belongs to ``[T]``, from one
     packed forward of ``model`` (with gradients when they are enabled)."""
     import torch
-
-    from pipeline.modeling.packing import packed_tensors
-    from pipeline.training.kernels import label_logprobs
 
     tensors = {k: v.to(device) for k, v in packed_tensors(examples, row_len, pad_id, owners=True).items()}
     logp, where = label_logprobs(model, tensors)

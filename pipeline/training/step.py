@@ -27,17 +27,41 @@ from pipeline.loop.candidate import (
     AdvanceConfig,
     Progress,
     artifacts_for,
+    contract_of,
     load_generation,
     mark_step,
     step_seed,
 )
+from pipeline.loop.clock import CLOCK
+from pipeline.loop.discovery import discovered_items
+from pipeline.modeling.pair import offered_tools
+from pipeline.modeling.placement import spec_placement, tokenizer_dir
+from pipeline.modeling.prompting import decoding_for, render_messages
+from pipeline.registry import (
+    TrainingDataset,
+    create_adapter,
+    get_engine,
+    session_scope,
+    set_generation_adapter,
+    set_generation_status,
+)
+from pipeline.registry.documents import AdapterMetrics, GenerationState, TrainedAdapter, state_of
+from pipeline.registry.tracking import registered_model_name
+from pipeline.scoring import episode_reward
+from pipeline.specs.contract import file_reader
+from pipeline.specs.harness import HarnessSpec
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.modelspec import ModelSpec
+from pipeline.specs.tasksource import draw, task_sources
+from pipeline.training.artifacts import ArtifactStoreError
+from pipeline.training.checkpoint import discard
+from pipeline.training.dpo import train_dpo
+from pipeline.training.grpo import Episodes, train_grpo
+from pipeline.training.job import TrainConfig, train_lora
 
 if TYPE_CHECKING:
     from pipeline.registry.tracking import Tracker
     from pipeline.specs.contract import ContractSpec
-    from pipeline.specs.harness import HarnessSpec
-    from pipeline.specs.modelspec import ModelSpec
-    from pipeline.training.grpo import Episodes
     from pipeline.training.job import TrainResult
 
 RunJob = Callable[..., "TrainResult"]
@@ -57,14 +81,6 @@ def grpo_episodes(
     """What a GRPO job practises on: ``prompts`` training items of the specialist's task source (the held-out
     predicate applied) after the variants discovery found, seen through the harness, rewarded by the
     contract (``scoring.episode_reward``), with the source's action substrate when it has one."""
-    from pipeline.loop.discovery import discovered_items
-    from pipeline.modeling.pair import offered_tools
-    from pipeline.modeling.prompting import decoding_for, render_messages
-    from pipeline.scoring import episode_reward
-    from pipeline.specs.contract import file_reader
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.tasksource import draw, task_sources
-    from pipeline.training.grpo import Episodes
 
     sources = task_sources(contract, read=file_reader(contract))
     if specialist not in sources:
@@ -98,24 +114,6 @@ def train_step(
 ) -> dict[str, Any]:
     """Train one LoRA per specialist by its method, continuing the parent's adapter; record each in the
     registry."""
-    import json as _json
-
-    from pipeline.loop.candidate import contract_of
-    from pipeline.loop.clock import CLOCK
-    from pipeline.modeling.placement import spec_placement, tokenizer_dir
-    from pipeline.registry import (
-        TrainingDataset,
-        create_adapter,
-        get_engine,
-        session_scope,
-        set_generation_adapter,
-        set_generation_status,
-    )
-    from pipeline.registry.tracking import registered_model_name
-    from pipeline.specs.harness import HarnessSpec
-    from pipeline.specs.modelspec import ModelSpec
-    from pipeline.training.artifacts import ArtifactStoreError
-    from pipeline.training.checkpoint import discard
 
     engine = get_engine()
     with session_scope(engine) as session:
@@ -144,7 +142,7 @@ def train_step(
             "base_model": gen.base_model.name,
             "base_model_sha256": gen.base_model.content_hash,
         }
-        trained = dict((state or {}).get("trained", {}))
+        trained = {s: t.as_stored() for s, t in GenerationState.model_validate(state or {}).trained.items()}
     out_dir = artifacts_for(config.lineage, number) / "adapters"
     where, tokenizer = spec_placement(spec.dtype), tokenizer_dir(spec.tokenizer, base_dir)
     results: dict[str, Any] = {}
@@ -196,7 +194,8 @@ def train_step(
                 seed=step_seed(config, number, f"grpo:{specialist}"),
             )
         try:
-            call = {**common, **kwargs, "lineage": {**info, "dataset_sha256": digest}}
+            rows = datasets[specialist][2] if specialist in datasets else None
+            call = {**common, **kwargs, "lineage": {**info, "dataset_sha256": digest, "dataset_rows": rows}}
             result = run_job(f"train-{method}-{specialist}", fn, **call) if run_job else fn(**call)
         except ArtifactStoreError as exc:  # not transient: record why, so the next advance starts afresh
             reason = f"failed: training {specialist}: {exc}"
@@ -227,13 +226,15 @@ def train_step(
                 mlflow_run_id=result.run_id,
                 dataset_sha256=digest,
                 method=method,
-                metrics={
-                    "final_loss" if method != "grpo" else "final_reward": result.final_loss,
-                    "steps": result.steps,
-                    "tokens_per_s": result.tokens_per_second,
-                    "loss_curve": [list(point) for point in result.loss_curve],
-                    "mlflow_experiment_id": getattr(tracker, "experiment_id", None),
-                },
+                metrics=AdapterMetrics.model_validate(
+                    {
+                        "final_loss" if method != "grpo" else "final_reward": result.final_loss,
+                        "steps": result.steps,
+                        "tokens_per_s": result.tokens_per_second,
+                        "loss_curve": [list(point) for point in result.loss_curve],
+                        "mlflow_experiment_id": getattr(tracker, "experiment_id", None),
+                    }
+                ),
             )
             adapter.mlflow_model_version = version
             set_generation_adapter(
@@ -248,9 +249,9 @@ def train_step(
                 # rows (examples, pairs, episodes) left out, by reason: the template refused them, too long...
                 "dropped": dict(result.dropped),
             }
-            state = dict(gen.state or {})
-            state["trained"] = {**state.get("trained", {}), specialist: results[specialist]}
-            gen.state = _json.loads(_json.dumps(state))
+            state = state_of(gen)  # kept as each finishes: a resumed step skips what is done
+            state.trained = {**state.trained, specialist: TrainedAdapter.model_validate(results[specialist])}
+            gen.state = state.as_stored()
         discard(job_dir / "checkpoint")
     with session_scope(engine) as session:
         mark_step(session, load_generation(session, generation_id), "train", {"adapters": results})
@@ -269,22 +270,7 @@ def job_for(
     """The job function of ``method`` and its method-specific arguments (from the model spec)."""
     settings = spec.specialists[specialist]
     if method == "sft":
-        from pipeline.training.job import TrainConfig, train_lora
-
-        lora, defaults = settings.lora, settings.training
-        config = TrainConfig(
-            rank=lora.rank,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=tuple(lora.target_modules),
-            lr=defaults.lr,
-            epochs=defaults.epochs,
-            max_steps=defaults.max_steps,
-            batch_size=defaults.batch_size,
-            max_seq_len=defaults.max_seq_len,
-            seed=seed,
-            tool_call_format=fmt,
-        )
+        config = TrainConfig.from_spec(settings, seed=seed, tool_call_format=fmt)
         assert dataset is not None
         return train_lora, {"dataset_dir": Path(dataset[0]), "config": config}
     common = {
@@ -294,12 +280,8 @@ def job_for(
         "max_seq_len": settings.training.max_seq_len,
     }
     if method == "dpo":
-        from pipeline.training.dpo import train_dpo
-
         assert dataset is not None
         return train_dpo, {**common, "dataset_dir": Path(dataset[0]), "settings": settings.dpo}
     if method == "grpo":
-        from pipeline.training.grpo import train_grpo
-
         return train_grpo, {**common, "settings": settings.grpo}
     raise RatchetError(f"specialist {specialist!r}: unknown training method {method!r}")
