@@ -15,22 +15,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.experience.ingest import trace_row, validate_trace
 from pipeline.experience.principals import LOOP
-from pipeline.loop.candidate import AdvanceConfig, Progress, load_generation, mark_step, step_seed
+from pipeline.loop.candidate import (
+    AdvanceConfig,
+    Progress,
+    contract_of,
+    load_generation,
+    mark_step,
+    step_seed,
+)
+from pipeline.loop.discovery import discovered_items
+from pipeline.modeling.pair import answer_items, pair_for_generation
+from pipeline.registry import get_engine, insert_traces, session_scope
+from pipeline.specs.contract import file_reader
+from pipeline.specs.heldout import heldout_index
+from pipeline.specs.tasksource import draw, task_sources
 
 
 def collect_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Run the champion (the parent pair) in the task environment; record every attempt as experience."""
-    from pipeline.experience.ingest import trace_row, validate_trace
-    from pipeline.loop.candidate import contract_of
-    from pipeline.loop.discovery import discovered_items
-    from pipeline.modeling.pair import answer_items, pair_for_generation
-    from pipeline.registry import get_engine, insert_traces, session_scope
-    from pipeline.specs.contract import file_reader
-    from pipeline.specs.heldout import heldout_index
-    from pipeline.specs.tasksource import draw, task_sources
 
     engine = get_engine()
     if not config.collect:

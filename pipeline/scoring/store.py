@@ -19,6 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.errors import NotFoundError
+from pipeline.loop.candidate import load_generation, mark_step
+from pipeline.loop.clock import CLOCK
+from pipeline.registry import get_engine, session_scope
+from pipeline.registry.models import ContractVersion, Experience, HarnessVersion, Score
+from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
 from pipeline.scoring.trace import (
     FINAL,
     TOTAL,
@@ -28,6 +34,7 @@ from pipeline.scoring.trace import (
     score_trace,
     total_details,
 )
+from pipeline.specs.contract import stored_contract
 from pipeline.specs.harness import HarnessSpec
 
 if TYPE_CHECKING:
@@ -67,9 +74,6 @@ class _Batches:
         workers: int,
         timeout_s: float = 0.0,
     ):
-        from pipeline.errors import NotFoundError
-        from pipeline.registry.models import ContractVersion
-        from pipeline.specs.contract import stored_contract
 
         row = session.get(ContractVersion, contract_version_id)
         if row is None:
@@ -82,7 +86,6 @@ class _Batches:
         self.timeout_s = timeout_s  # per batch; 0: none (see ``timed``)
 
     def harness_for(self, version_id: int | None) -> HarnessSpec | None:
-        from pipeline.registry.models import HarnessVersion
 
         if version_id is None:
             return self.fallback
@@ -130,8 +133,6 @@ class _Batches:
     def score(self, rows: list[Any], result: ScoreRunResult, reason: str) -> None:
         """Score ``rows`` (experience columns ``_COLUMNS``), replace their scores under this version (the
         old ones go to ``score_history`` with ``reason``) and commit."""
-        from pipeline.loop.clock import CLOCK
-        from pipeline.registry.scores import ScoreRow, insert_scores, supersede_scores
 
         jobs = []
         for r in rows:
@@ -237,8 +238,6 @@ def score_experience(
     """
     from sqlalchemy import exists, func, select
 
-    from pipeline.registry.models import Experience, Score
-
     batches = _Batches(session, contract_version_id, harness, workers or min(4, os.cpu_count() or 1))
     result = ScoreRunResult(contract_version_id=contract_version_id)
     current = exists().where(
@@ -286,8 +285,6 @@ def rescore_experience(
     longer is stored as not verified (``_Batches.timed``)."""
     from sqlalchemy import select
 
-    from pipeline.registry.models import Experience, Score
-
     versions = session.scalars(
         select(Score.contract_version_id)
         .where(Score.experience_id.in_(experience_ids), Score.scorer == TOTAL)
@@ -315,8 +312,6 @@ def score_step(
     *, generation_id: int, config: AdvanceConfig, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Score all experience not yet scored under the candidate's contract version."""
-    from pipeline.loop.candidate import load_generation, mark_step
-    from pipeline.registry import get_engine, session_scope
 
     engine = get_engine()
     with session_scope(engine) as session:
