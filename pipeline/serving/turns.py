@@ -485,8 +485,12 @@ def spool_dir(config: ServeConfig) -> Path:
     if config.spool_dir:
         return Path(config.spool_dir)
 
+    settings = get_settings()
     url = config.registry_url or _default_url()
-    return get_settings().ensure_home() / "spool" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    # on the home's own registry the home must exist (`ratchet init`); on another registry the home only holds
+    # this machine's files, as with RATCHET_DATABASE_URL, and is made
+    home = settings.ensure_home() if url == settings.registry_url else settings.create_home()
+    return home / "spool" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _default_url() -> str:

@@ -506,3 +506,23 @@ def test_a_record_the_registry_refuses_is_kept_aside_and_the_writer_goes_on(tmp_
         assert len(kept) == (1 if keepable else 0)
     finally:
         rec.close()
+
+
+def test_a_server_on_an_external_registry_makes_its_spool_home(tmp_path, monkeypatch):
+    """`ratchet serve --registry-url ...` with no home yet: the home then only holds this machine's spool, so it
+    is made; a server on the home's own registry still refuses a missing home with one line (``ratchet init``).
+    (Found by a clean checkout: module-scoped servers start before a test's RATCHET_HOME exists.)"""
+    from pipeline.serving.turns import spool_dir
+    from pipeline.settings import HomeMissing, get_settings
+
+    home = tmp_path / "nowhere" / "home"
+    monkeypatch.setenv("RATCHET_HOME", str(home))
+    get_settings.cache_clear()
+    external = ServeConfig(registry_url=f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    spool = spool_dir(external)
+    assert home.is_dir() and spool.parent == home / "spool"
+    shutil.rmtree(home)
+    with pytest.raises(HomeMissing):
+        spool_dir(ServeConfig())
+    assert not home.exists()
+    get_settings.cache_clear()
