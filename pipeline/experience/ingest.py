@@ -256,8 +256,13 @@ def trace_row(
     harness_version_id: int | None = None,
     completion_id: str | None = None,
     principal: str | None = None,
+    conversation_id: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    served_tokens: dict[str, Any] | None = None,
 ) -> TraceRow:
-    """Serialise a validated trace canonically and compute its content hash; ``principal``: who sent it."""
+    """Serialise a validated trace canonically and compute its content hash; ``principal``: who sent it.
+    ``conversation_id`` / ``tools`` / ``served_tokens``: the ``Experience`` columns of the same names (the
+    first two are part of the content hash: the same messages in another conversation are another trace)."""
     messages = _dumps(trace["messages"])
     metadata = _dumps(trace.get("metadata") or {})
     feedback = trace.get("feedback")
@@ -270,6 +275,9 @@ def trace_row(
     digest.update(feedback_json or b"null")
     if completion_id is not None:
         digest.update(b"\x1e" + completion_id.encode())
+    tools_json = None if tools is None else _dumps(tools)
+    if conversation_id is not None or tools_json is not None:
+        digest.update(b"\x1e" + (conversation_id or "").encode() + b"\x1e" + (tools_json or b"null"))
     specialist = routes[-1]["specialist"] if routes else trace["metadata"].get("specialist")
     return TraceRow(
         content_hash=digest.hexdigest(),
@@ -283,6 +291,9 @@ def trace_row(
         harness_version_id=harness_version_id,
         completion_id=completion_id,
         principal=principal,
+        conversation_id=conversation_id,
+        tools=None if tools_json is None else tools_json.decode(),
+        served_tokens=None if served_tokens is None else _dumps(served_tokens).decode(),
     )
 
 

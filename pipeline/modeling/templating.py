@@ -31,6 +31,8 @@ templates refuse anything else).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import secrets
 import threading
@@ -287,6 +289,40 @@ def encode_prompt(
         shield.protect(model_messages(messages, fmt)), shield.protect(tools), add_generation_prompt=True
     )
     return shield.encode(text)
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of what decides a conversation's token ids: the tokenizer's own definition (vocabulary, merges,
+    normalizer, pre-tokenizer, added and special tokens) and its chat template. Two tokenizers with the same
+    fingerprint give the same ids for the same conversation, so stored served ids may stand for a re-rendering.
+    Cached per tokenizer object."""
+    try:
+        return _FINGERPRINTS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: its whole serialised definition
+        definition = backend.to_str()
+    else:  # a slow one: what its vocabulary and special tokens say
+        definition = json.dumps(
+            {
+                "vocab": sorted(tokenizer.get_vocab().items()),
+                "special": sorted(map(str, tokenizer.all_special_tokens)),
+            },
+            ensure_ascii=False,
+        )
+    template = getattr(tokenizer, "chat_template", None) or ""
+    digest = hashlib.sha256(definition.encode("utf-8"))
+    digest.update(b"\x1e" + json.dumps(template, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+    fingerprint = digest.hexdigest()
+    try:
+        _FINGERPRINTS[tokenizer] = fingerprint
+    except TypeError:  # not weakly referenceable: computed each time
+        pass
+    return fingerprint
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

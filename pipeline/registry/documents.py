@@ -447,3 +447,22 @@ def state_of(gen: Generation) -> GenerationState:
 def evaluation_of(gen: Generation) -> GenerationEvaluation:
     """The generation's ``evaluation`` document."""
     return GenerationEvaluation.read(gen.evaluation)
+
+
+# ------------------------------------------------------------------------------------------------ served turns
+class ServedTokens(Document):
+    """The token ids of one assistant message the server decoded (``Experience.served_tokens``, by the message's
+    index in ``messages``): training uses them instead of re-rendering the message when its tokenizer matches."""
+
+    tokenizer: str = Field(description="The tokenizer's fingerprint (`templating.tokenizer_fingerprint`).")
+    prompt_ids: list[int] = Field(
+        description="Exactly the ids the model was given: the harness's view, rendered."
+    )
+    completion_ids: list[int] = Field(
+        description="Exactly the ids it decoded, the end-of-turn token included when it stopped on one."
+    )
+
+
+def served_tokens_of(data: dict[str, Any] | None) -> dict[str, ServedTokens]:
+    """An experience row's ``served_tokens`` column as models (None: no message was decoded by this server)."""
+    return {index: ServedTokens.read(entry) for index, entry in (data or {}).items()}

@@ -36,12 +36,16 @@ RAW_EXPERIENCE = _raw = Table(
     Column("generation_id", Integer),
     Column("harness_version_id", Integer),
     Column("created_at", UTCDateTime),
+    Column("conversation_id", String(100)),
+    Column("tools", Text),
+    Column("served_tokens", Text),
 )
 
 # The exact statement bulk ingest sends on SQLite (bench/ingest.py times the same one bare).
 SQLITE_INSERT = (
     "INSERT INTO experience (content_hash, completion_id, messages, metadata, feedback, routes, specialist, "
-    "source, principal, generation_id, harness_version_id, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+    "source, principal, generation_id, harness_version_id, created_at, conversation_id, tools, served_tokens) "
+    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
     "ON CONFLICT (content_hash) DO NOTHING"
 )
 
@@ -63,6 +67,9 @@ class TraceRow:
     harness_version_id: int | None = None
     completion_id: str | None = None
     principal: str | None = None  # who sent it (``pipeline.experience.principals``)
+    conversation_id: str | None = None  # links the turns of one conversation (at most 100 characters)
+    tools: str | None = None  # JSON: the client's ``tools`` list offered on the turn (OpenAI chat shape)
+    served_tokens: str | None = None  # JSON: ``ServedTokens`` by the index of the assistant message served
 
 
 def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any, ...]]:
@@ -82,6 +89,9 @@ def sqlite_params(rows: Sequence[TraceRow], created: datetime) -> list[tuple[Any
             r.generation_id,
             r.harness_version_id,
             stamp,
+            r.conversation_id,
+            r.tools,
+            r.served_tokens,
         )
         for r in rows
     ]
@@ -120,6 +130,9 @@ def insert_traces(*, session: Session, rows: Sequence[TraceRow], now: datetime |
             "generation_id": r.generation_id,
             "harness_version_id": r.harness_version_id,
             "created_at": created,
+            "conversation_id": r.conversation_id,
+            "tools": r.tools,
+            "served_tokens": r.served_tokens,
         }
         for r in rows
     ]

@@ -264,6 +264,7 @@ class Experience(Base):
         Index("ix_experience_source_id", "source", "id"),
         Index("ix_experience_generation_id_id", "generation_id", "id"),
         Index("ix_experience_principal_id", "principal", "id"),
+        Index("ix_experience_conversation_id_id", "conversation_id", "id"),
     )
     id: Mapped[int] = mapped_column(primary_key=True)
     content_hash: Mapped[str] = mapped_column(String(64), unique=True)
@@ -280,6 +281,13 @@ class Experience(Base):
     generation_id: Mapped[int | None] = mapped_column(ForeignKey("generations.id"), index=True)
     harness_version_id: Mapped[int | None] = mapped_column(ForeignKey("harness_versions.id"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    # the conversation the turn belongs to: a Responses ``previous_response_id`` chain's first response, or the
+    # conversation / session id a client or an imported trace gave; NULL when none is known
+    conversation_id: Mapped[str | None] = mapped_column(String(100))
+    tools: Mapped[list | None] = mapped_column(JSONText)  # the client's tools offered on the turn (OpenAI shape)
+    # ``documents.ServedTokens`` by the index (a string) of each assistant message the server decoded: the
+    # exact ids the model was given and wrote, so training need not re-render them
+    served_tokens: Mapped[dict | None] = mapped_column(JSONText)
 
     harness_version: Mapped[HarnessVersion | None] = relationship()
 

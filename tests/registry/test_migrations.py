@@ -119,7 +119,7 @@ def test_cli_db_commands(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RATCHET_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
     get_settings.cache_clear()
     main(["db", "upgrade"])
-    assert "revision 0010" in capsys.readouterr().out
+    assert "revision 0011" in capsys.readouterr().out
     main(["db", "downgrade", "base"])
     assert "revision base" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
@@ -225,7 +225,7 @@ def test_served_turns_before_0007_keep_what_their_clients_sent_apart(empty_url):
 
 
 # ---- every step up and down with rows in every table ---------------------------------------------------------
-REVISIONS = [f"{n:04d}" for n in range(1, 11)]
+REVISIONS = [f"{n:04d}" for n in range(1, 12)]
 T0 = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
 
 

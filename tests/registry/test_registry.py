@@ -216,6 +216,34 @@ def test_scores_bulk_insert_round_trips(engine):
         assert s.scalar(select(Experience.messages).where(Experience.id == exp_id)) == trace["messages"]
 
 
+def test_a_trace_keeps_its_conversation_tools_and_served_ids(engine):
+    """The bulk insert (the driver's executemany on SQLite, Core on PostgreSQL) stores a turn's conversation,
+    the tools its client offered and the ids the server decoded; the same messages in another conversation
+    are another trace, and the served ids read back as ``ServedTokens``."""
+    from pipeline.experience.ingest import trace_row, validate_trace
+    from pipeline.registry import Experience, insert_traces
+    from pipeline.registry.documents import served_tokens_of
+
+    trace = {"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    served = {"1": {"tokenizer": "f" * 64, "prompt_ids": [5, 6, 7], "completion_ids": [8, 2]}}
+    first = trace_row(
+        validate_trace(trace), source="deployment", conversation_id="conv-1", tools=tools, served_tokens=served
+    )
+    other = trace_row(validate_trace(trace), source="deployment", conversation_id="conv-2", tools=tools)
+    plain = trace_row(validate_trace(trace), source="deployment")
+    assert len({first.content_hash, other.content_hash, plain.content_hash}) == 3
+    with session_scope(engine) as s:
+        assert insert_traces(session=s, rows=[first, other, plain, first]) == 3
+    with session_scope(engine) as s:
+        rows = {r.conversation_id: r for r in s.scalars(select(Experience))}
+        assert set(rows) == {"conv-1", "conv-2", None}
+        assert rows["conv-1"].tools == tools and rows[None].tools is None
+        ids = served_tokens_of(rows["conv-1"].served_tokens)
+        assert ids["1"].prompt_ids == [5, 6, 7] and ids["1"].completion_ids == [8, 2]
+        assert rows["conv-2"].served_tokens is None
+
+
 def test_json_documents_round_trip_beyond_what_orjson_handles():
     from pipeline.registry.models import dump_json, load_json
 
