@@ -16,7 +16,7 @@ from fastapi import FastAPI, Form, Header, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.orm import sessionmaker
 
-from pipeline.dashboard.responses import AbandonResult, ChampionMove, RescoreResult
+from pipeline.dashboard.replies import AbandonResult, ChampionMove, RescoreResult
 from pipeline.dashboard.security import COOKIE, SESSION_SECONDS, Access, Id
 from pipeline.errors import ConflictError, NotFoundError, RatchetError
 from pipeline.loop.promotion import sync_champion_aliases

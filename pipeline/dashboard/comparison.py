@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, get_args
 from sqlalchemy import select
 
 from pipeline.dashboard.lineage import get_generation_row
-from pipeline.dashboard.responses import Change, HeldOutItem, ItemComparison, ItemFilters, ItemRow
+from pipeline.dashboard.replies import Change, HeldOutItem, ItemComparison, ItemFilters, ItemRow
 from pipeline.errors import NotFoundError
 from pipeline.registry import EvaluationItem, Generation
 from pipeline.specs.contract import stored_contract

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field, JsonValue
 
-from pipeline.dashboard.responses import Reply
+from pipeline.dashboard.replies import Reply
 from pipeline.registry.documents import GateTestRecord, RouterRecord
 from pipeline.registry.summaries import DiscoverySummary
 

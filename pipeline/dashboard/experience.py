@@ -2,10 +2,10 @@
 ``trace``), and what a trace's final turn is worth.
 
 Pages go newest first by id (keyset: ``before``/``after`` an id, never an offset, never a count of the
-table). A filter an index serves (one of generation, specialist, source, principal) is one indexed query. Any
-other filter (free text, score range, feedback, verification, or several at once) walks the ids downward in
-windows until the page is full or a time budget is spent, and then says how far down it searched, so a
-rare match costs a bounded wait per page instead of a scan of a million rows.
+table). A filter an index serves (one of generation, specialist, source, principal, conversation) is one
+indexed query. Any other filter (free text, score range, feedback, verification, or several at once) walks the
+ids downward in windows until the page is full or a time budget is spent, and then says how far down it
+searched, so a rare match costs a bounded wait per page instead of a scan of a million rows.
 
 A trace's score and verdict are its ``final`` row's under the champion's contract (``scoring.trace``): the
 final assistant turn, the only one a trace can teach. Its verdict (``final_status``) is *passed* (a verifying
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 from sqlalchemy import and_, func, select
 
-from pipeline.dashboard.responses import ExperiencePage, Status, TraceRow
+from pipeline.dashboard.replies import ExperiencePage, Status, TraceRow
 from pipeline.errors import NotFoundError
 from pipeline.experience.eligibility import UNKNOWN_PRINCIPAL
 from pipeline.experience.texts import message_text as content_text
@@ -118,6 +118,9 @@ class ExperienceQuery(BaseModel):
         "applied and none failed), `failed` (a verifying check failed), `no` not verified (no verifying check "
         "applied), `unscored` (no final-turn score under that contract yet).",
     )
+    conversation: str | None = Field(
+        default=None, max_length=100, description="Turns of this conversation (its `conversation_id`)."
+    )
     q: str | None = Field(default=None, max_length=200, description="Text the conversation contains.")
     before: int | None = Field(
         default=None, ge=1, le=2**63 - 1, description="Older than this trace id (next page)."
@@ -129,7 +132,7 @@ class ExperienceQuery(BaseModel):
 
     @field_validator(
         "lineage", "generation", "specialist", "source", "principal", "score_min", "score_max", "feedback",
-        "verified", "q", "before", "after", mode="before",
+        "verified", "conversation", "q", "before", "after", mode="before",
     )  # fmt: skip
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
@@ -197,6 +200,9 @@ def list_experience(
         unknown = query.principal == UNKNOWN_PRINCIPAL
         conditions.append(e.c.principal.is_(None) if unknown else e.c.principal == query.principal)
         indexed += 1
+    if query.conversation is not None:
+        conditions.append(e.c.conversation_id == query.conversation)
+        indexed += 1
     scanned = indexed > 1
     if query.score_min is not None:
         conditions.append(s.c.value >= query.score_min)
@@ -238,7 +244,8 @@ def list_experience(
         )
         return select(
             e.c.id, e.c.created_at, e.c.source, e.c.specialist, e.c.principal, e.c.generation_id, e.c.feedback,
-            prompt, answer, tool, s.c.id.label("score_id"), s.c.value, s.c.verified, failed_text,
+            e.c.conversation_id, prompt, answer, tool, s.c.id.label("score_id"), s.c.value, s.c.verified,
+            failed_text,
         ).select_from(e.outerjoin(s, on))  # fmt: skip
 
     newer = query.after is not None and query.before is None
@@ -325,6 +332,7 @@ def _item(r: Row, numbers: dict[int, int]) -> TraceRow:
         feedback=feedback is not None,
         feedback_counted=isinstance(feedback, dict) and ("rating" in feedback or "correction" in feedback),
         feedback_claimed=isinstance(feedback, dict) and "claimed" in feedback,
+        conversation_id=r.conversation_id,
     )
 
 

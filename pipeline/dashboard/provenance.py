@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from pipeline.dashboard.responses import AdapterDetail, AdapterTrace, DatasetRef, GenerationUse
+from pipeline.dashboard.replies import AdapterDetail, AdapterTrace, DatasetRef, GenerationUse
 from pipeline.errors import NotFoundError
 from pipeline.registry import (
     Adapter,

@@ -10,7 +10,7 @@ import yaml
 from pydantic import JsonValue
 from sqlalchemy import select
 
-from pipeline.dashboard.responses import (
+from pipeline.dashboard.replies import (
     AuditEntry,
     AuditPage,
     DiffRow,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, JsonValue
 
-from pipeline.dashboard.responses import Reply
+from pipeline.dashboard.replies import Reply
 
 __all__ = ["ModelDoc", "models", "returns", "type_text"]
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 from sqlalchemy import and_, select
 
+from pipeline.dashboard.conversation import neighbour_turns, offered_tools, served_token_counts
 from pipeline.dashboard.experience import (
     FAILED,
     NOT_SCORED,
@@ -29,7 +30,7 @@ from pipeline.dashboard.experience import (
     final_status,
     message_text,
 )
-from pipeline.dashboard.responses import (
+from pipeline.dashboard.replies import (
     ChampionVerdict,
     FeedbackEntry,
     RouteDecision,
@@ -208,14 +209,17 @@ def _routes(raw: JsonValue) -> dict[int, RouteDecision]:
     return out
 
 
-def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_offset: int = 0) -> TraceDetail:
+def trace_detail(
+    *, session: Session, experience_id: int, lineage: str, turn_offset: int = 0, token_ids: bool = False
+) -> TraceDetail:
     """One trace turn by turn (``TURNS_PER_PAGE`` messages from ``turn_offset``): each turn's route decision
     (specialist, reason, signal scores), the view the specialist answered from (for the newest
     ``VIEWS_PER_PAGE`` served turns of the page) and its hidden summary where it was served; its principal;
     its metadata and, apart, what its client claimed; its final turn's verdict under the champion's contract
     of ``lineage`` (``verdict``) and under each contract version that scored it (``finals``), beside every
-    scorer's score, labelled (and replaced scores); its feedback, counted (with who gave it) and claimed; and
-    the adapters it trained."""
+    scorer's score, labelled (and replaced scores); its feedback, counted (with who gave it) and claimed; the
+    adapters it trained; its conversation and the turns beside it there; the tools its client offered; and
+    per served assistant message the token ids' counts and tokenizer (the ids themselves with ``token_ids``)."""
     from sqlalchemy.orm import selectinload
 
     row = session.scalar(
@@ -234,6 +238,7 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_off
     window = range(max(0, turn_offset), min(len(messages), max(0, turn_offset) + TURNS_PER_PAGE))
     shown = [i for i in window if i in routes and messages[i].get("role") == "assistant"][-VIEWS_PER_PAGE:]
     views = _views(row, messages, routes, summaries, set(shown)) if shown else {}
+    tokens = served_token_counts(row.served_tokens, ids=token_ids)
     turns = []
     for i in window:
         m = messages[i]
@@ -247,6 +252,7 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_off
                 route=routes.get(i),
                 summary=summaries.get(str(i)),
                 view=views.get(i),
+                tokens=tokens.get(i),
             )
         )
     contracts = {
@@ -302,6 +308,12 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_off
         .order_by(Generation.number)
     ).all()
     generation = session.get(Generation, row.generation_id) if row.generation_id else None
+    conversation = row.conversation_id
+    previous, following = (
+        neighbour_turns(session, conversation_id=conversation, experience_id=row.id)
+        if conversation is not None
+        else (None, None)
+    )
     return TraceDetail(
         id=row.id,
         lineage=lineage,
@@ -334,6 +346,10 @@ def trace_detail(*, session: Session, experience_id: int, lineage: str, turn_off
             )
             for t in trained
         ],
+        conversation_id=conversation,
+        conversation_previous=previous,
+        conversation_next=following,
+        tools=offered_tools(row.tools),
     )
 
 

@@ -15,8 +15,10 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, TypeVar
+from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -27,6 +29,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from pipeline.dashboard import (
     charts,
     comparison,
+    conversation,
     experience,
     overview,
     provenance,
@@ -37,7 +40,7 @@ from pipeline.dashboard import (
 from pipeline.dashboard import lineage as lineage_data
 from pipeline.dashboard.actions import action_routes
 from pipeline.dashboard.evidence import GenerationDetail, Trends
-from pipeline.dashboard.responses import (
+from pipeline.dashboard.replies import (
     AdapterDetail,
     ArtifactDirectory,
     ArtifactEntry,
@@ -79,6 +82,14 @@ def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def conversation_url(conversation_id: str, lineage: str | None = None) -> str:
+    """The conversation page of ``conversation_id`` (in ``lineage``), every character of the id quoted; the id
+    ``.`` or ``..`` (a path segment a browser would resolve away) links to the experience list filtered by it."""
+    cid = quote(conversation_id, safe="")
+    url = f"/experience?conversation={cid}&" if conversation_id in (".", "..") else f"/conversations/{cid}?"
+    return url + (f"lineage={quote(lineage, safe='')}" if lineage else "")
+
+
 def _templates() -> Environment:
     env = Environment(
         loader=FileSystemLoader(HERE / "templates"),
@@ -92,6 +103,7 @@ def _templates() -> Environment:
     env.filters["pct"] = lambda v: f"{100 * v:.1f}%" if _number(v) else ("–" if v is None else str(v))
     env.filters["short"] = lambda v, n=12: "" if v is None else str(v)[:n]
     env.filters["pretty"] = lambda v: __import__("json").dumps(v, indent=2, ensure_ascii=False, default=str)
+    env.filters["conversation_url"] = conversation_url
     return env
 
 
@@ -348,12 +360,31 @@ def create_app(
         experience_id: Id,
         lineage: Lineage = lineage_name,
         turns_from: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+        token_ids: Annotated[bool, Query(description="Include the served token ids themselves.")] = False,
     ) -> TraceDetail:
         """One trace turn by turn, with routes, views, summaries, its principal and what its client claimed, its
-        final turn's verdict beside every score, feedback (counted and claimed) and what it trained."""
+        final turn's verdict beside every score, feedback (counted and claimed), what it trained, its
+        conversation, the tools its client offered and the token ids it was served (counts)."""
         return trace.trace_detail(
-            session=db, experience_id=experience_id, lineage=lineage, turn_offset=turns_from
-        )
+            session=db, experience_id=experience_id, lineage=lineage, turn_offset=turns_from,
+            token_ids=token_ids,
+        )  # fmt: skip
+
+    @both("/conversations/{conversation_id:path}", "conversation.html")
+    def conversation_view(
+        db: DB,
+        conversation_id: Annotated[str, PathParam(max_length=100, description="The conversation's id.")],
+        lineage: Lineage = lineage_name,
+        after: Annotated[int | None, Query(ge=0, le=MAX_ID, description="Turns after this trace.")] = None,
+        before: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Turns before this trace.")] = None,
+        limit: Annotated[int, Query(ge=1, le=conversation.MAX_TURNS_PER_PAGE)] = conversation.TURNS_PER_PAGE,
+    ) -> conversation.ConversationDetail:
+        """A conversation's turns in order, each with what it added, who sent it, what served it and its
+        final turn's verdict; keyset pages (``next``/``previous`` are the cursors)."""
+        return conversation.conversation_detail(
+            session=db, conversation_id=conversation_id, lineage=lineage, after=after, before=before,
+            limit=limit,
+        )  # fmt: skip
 
     for kind in ("contracts", "harnesses"):
         _version_routes(both, kind, DB)

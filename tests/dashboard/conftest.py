@@ -6,6 +6,7 @@ works on a copy (``acting_home``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,11 @@ CLAIMED_FEEDBACK = {"rating": 1.0, "correction": HOSTILE}
 # a client whose key may certify, rate and correct: its reference answer counts, and the model misses it
 KEY_NAME, KEY_SCOPES = "crm-backend", frozenset({"chat", "certify", "rate", "correct"})
 CERTIFIED_PROMPT, CERTIFIED_METADATA, CERTIFIED_RATING = "7+8=?", {"expected": "no digit answers this"}, 0.0
+# a conversation a client linked by its own session id (markup in it), with the tools it offered
+CONVERSATION_ID = "session-" + SERVED_HOSTILE
+CONVERSATION_TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": HOSTILE, "parameters": {}}}
+]
 
 
 def _served(url: str) -> list[str]:
@@ -75,6 +81,35 @@ def _served(url: str) -> list[str]:
     return ids
 
 
+def _conversation(url: str) -> list[int]:
+    """Two turns of one conversation (``CONVERSATION_ID``), recorded through the registry's insert path as the
+    server records them: the tools offered, and the token ids served for each answer. Returns their ids."""
+    from sqlalchemy import select
+
+    from pipeline.registry import Experience, TraceRow, get_engine, insert_traces, session_scope
+
+    first = [{"role": "user", "content": "3+4=?"}, {"role": "assistant", "content": "7"}]
+    second = [*first, {"role": "user", "content": "and 5+5?"}, {"role": "assistant", "content": "10"}]
+    with session_scope(get_engine(url)) as session:
+        for messages in (first, second):
+            served = {
+                str(len(messages) - 1): {
+                    "tokenizer": "0" * 64,
+                    "prompt_ids": [1, 2, 3],
+                    "completion_ids": [4],
+                }
+            }
+            text = json.dumps(messages, sort_keys=True)
+            row = TraceRow(content_hash=hashlib.sha256(text.encode()).hexdigest(), messages=text,
+                           metadata=json.dumps({"specialist": "chat"}), feedback=None, routes="[]", specialist="chat",
+                           source="deployment", principal="anonymous", conversation_id=CONVERSATION_ID,
+                           tools=json.dumps(CONVERSATION_TOOLS), served_tokens=json.dumps(served))  # fmt: skip
+            insert_traces(session=session, rows=[row])
+        return list(
+            session.scalars(select(Experience.id).where(Experience.conversation_id == CONVERSATION_ID))
+        )
+
+
 @pytest.fixture(scope="session")
 def dashboard_home(tmp_path_factory, small_base) -> Path:
     from conftest import METHODS, ingest_corrections, write_specs
@@ -118,6 +153,7 @@ def dashboard_home(tmp_path_factory, small_base) -> Path:
         for _ in range(2):
             advance_once(config=fast, tracker=make_tracker())
         _served(get_settings().registry_url)
+        _conversation(get_settings().registry_url)
         with session_scope(
             get_engine()
         ) as session:  # the served traces get their scores, as `ratchet score` does

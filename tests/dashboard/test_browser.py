@@ -1,17 +1,19 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by Playwright (never a downloaded
 browser). Opens the lineage, clicks through a generation to its item comparison and one item's answers,
 filters experience, opens a served trace with its route decision and an anonymous one with what its client
-claimed, checks that injected script never ran, signs in and promotes through the form. Screenshots go to the test's temp dir."""
+claimed, follows a conversation (an id with markup in it) to its page and a turn's offered tools, checks that
+injected script never ran, signs in and promotes through the form. Screenshots go to the test's temp dir."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from urllib.parse import quote
 
 import pytest
 from serving.support import ServerThread
 
-from dashboard.conftest import served_trace_ids
+from dashboard.conftest import CONVERSATION_ID, served_trace_ids
 from pipeline.dashboard import create_app
 from pipeline.settings import Settings
 
@@ -96,6 +98,20 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
                 and page.locator("a[href^='javascript:']").count() == 0
             )
             assert "window.__pwned" in page.locator("main").inner_text()  # shown, as text
+        page.goto(f"{srv.url}/experience?conversation={quote(CONVERSATION_ID, safe='')}")
+        page.locator("#experience a.conversation").first.click()
+        page.wait_for_url("**/conversations/**")
+        assert page.locator("#conversation-id").inner_text() == CONVERSATION_ID
+        assert page.locator("#turns section").count() == 2
+        page.screenshot(path=str(shots / "conversation.png"), full_page=True)
+        page.locator("#turns section h2 a").last.click()
+        page.wait_for_url("**/experience/*")
+        assert page.locator("#tools td code").first.inner_text() == "add"
+        assert "window.__pwned" in page.locator("#tools").inner_text()
+        assert (
+            page.evaluate("typeof window.__pwned") == "undefined"
+            and page.locator("img[src='x']").count() == 0
+        )
         page.get_by_role("link", name="Quarantine").click()
         assert page.evaluate("typeof window.__pwned") == "undefined"
         assert "window.__pwned = 4" in page.locator("#quarantine").inner_text()
@@ -115,7 +131,7 @@ def test_click_through_the_dashboard(browser, acting_home, tmp_path):
         assert "dashboard:session" in page.locator("#audit").inner_text()
         page.screenshot(path=str(shots / "audit.png"), full_page=True)
     assert not [e for e in errors if "Content Security Policy" not in e], errors
-    assert len(list(shots.glob("*.png"))) == 8
+    assert len(list(shots.glob("*.png"))) == 9
 
 
 def test_the_lineage_page_shows_the_accuracy_matrix(browser, read_settings, tmp_path):

@@ -3,11 +3,13 @@ registry is exactly what their response models declare."""
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from dashboard.conftest import served_trace_ids
+from dashboard.conftest import CONVERSATION_ID, served_trace_ids
 from pipeline.dashboard import create_app
 from pipeline.settings import Settings
 
@@ -62,6 +64,7 @@ def test_every_json_route_declares_its_fields(tmp_path):
             assert model.get("additionalProperties") is False, f"{name} allows fields it does not declare"
         components |= _refs(model)
     assert {"GenerationDetail", "TraceDetail", "ExperiencePage", "Verdict", "GateTestRecord"} <= seen
+    assert {"ConversationDetail", "ConversationTurn", "OfferedTool", "ServedTokenCounts"} <= seen
 
 
 def _models(app) -> dict[str, type]:
@@ -100,6 +103,13 @@ def test_real_responses_are_what_their_models_declare(read_settings):
         for kind, trace_id in served_trace_ids(read_settings).items():
             detail = _exactly(models, "/api/experience/{experience_id}", c.get(f"/api/experience/{trace_id}"))
             assert detail["turns"] and detail["verdict"]["status"], kind
+        chat = c.get(f"/api/conversations/{quote(CONVERSATION_ID, safe='')}")
+        turns = _exactly(models, "/api/conversations/{conversation_id}", chat)["turns"]
+        assert len(turns) == 2 and turns[1]["added"] and turns[1]["shared"] == 2
+        detail = _exactly(
+            models, "/api/experience/{experience_id}", c.get(f"/api/experience/{turns[1]['id']}")
+        )
+        assert detail["tools"] and detail["conversation_previous"] == turns[0]["id"]
         for kind in ("contracts", "harnesses"):
             versions = _exactly(models, f"/api/{kind}", c.get(f"/api/{kind}"))["versions"]
             first, last = versions[0]["id"], versions[-1]["id"]

@@ -1,7 +1,7 @@
-"""The dashboard API's response models: what each ``/api/...`` route returns, field by field (its OpenAPI schema).
+"""The dashboard API's replies: what each ``/api/...`` route returns, field by field (its OpenAPI schema).
 
 The data functions (``records``, ``comparison``, ``provenance``, ``experience``, ``trace``, ``actions``) build
-these; the pages render the same data (``model_dump``). What a trace or a stored document holds is untrusted
+these (``conversation`` builds its own, as ``evidence`` does); the pages render the same data (``model_dump``). What a trace or a stored document holds is untrusted
 and of no fixed shape: it is ``JsonValue`` (any JSON), never ``Any``. A generation's evidence and the trends are
 in ``evidence``.
 """
@@ -278,6 +278,7 @@ class TraceRow(Reply):
     feedback: bool = Field(description="Whether it has feedback.")
     feedback_counted: bool = Field(description="Whether its feedback has a counted rating or correction.")
     feedback_claimed: bool = Field(description="Whether its feedback has a claimed part (never scored).")
+    conversation_id: str | None = Field(description="The conversation it is a turn of (null: none recorded).")
 
 
 class ExperiencePage(Reply):
@@ -300,6 +301,23 @@ class ExperiencePage(Reply):
 
 
 # ------------------------------------------------------------------------------------------------- trace
+class ServedTokenCounts(Reply):
+    tokenizer: str = Field(description="Fingerprint of the tokenizer that served it (as stored).")
+    prompt_tokens: int = Field(description="Prompt token ids stored.")
+    completion_tokens: int = Field(description="Completion token ids stored.")
+    prompt_ids: list[int] | None = Field(description="The prompt's token ids (null unless `token_ids=true`).")
+    completion_ids: list[int] | None = Field(
+        description="The completion's token ids (null unless `token_ids=true`)."
+    )
+
+
+class OfferedTool(Reply):
+    type: str = Field(description="The tool's type as the client sent it (`function`, ...).")
+    name: str = Field(description="Its name (untrusted client text).")
+    description: str = Field(description="Its description (untrusted client text).")
+    parameters: JsonValue = Field(description="Its parameters' JSON schema as sent (null: none).")
+
+
 class RouteDecision(Reply):
     turn: int = Field(description="The message index it routed.")
     specialist: str = Field(description="The specialist chosen.")
@@ -317,6 +335,9 @@ class Turn(Reply):
     summary: str | None = Field(description="Its hidden summary, where one was written.")
     view: list[dict[str, JsonValue]] | str | None = Field(
         description="The messages the specialist answered from, rebuilt (text: why it cannot be); null when not shown."
+    )
+    tokens: ServedTokenCounts | None = Field(
+        description="The token ids served for this assistant message, where stored: counts and tokenizer."
     )
 
 
@@ -396,3 +417,9 @@ class TraceDetail(Reply):
     scores: dict[str, list[ScoreLine]] = Field(description="Contract version -> its score rows, labelled.")
     score_history: list[ScoreChange] = Field(description="Replaced scores, oldest first.")
     trained: list[TrainedAdapter] = Field(description="The adapters trained on it.")
+    conversation_id: str | None = Field(description="The conversation it is a turn of (null: none recorded).")
+    conversation_previous: int | None = Field(description="The conversation's turn before it (trace id).")
+    conversation_next: int | None = Field(description="The conversation's turn after it (trace id).")
+    tools: list[OfferedTool] | None = Field(
+        description="The tools its client offered on the turn (null: none recorded; untrusted text)."
+    )
