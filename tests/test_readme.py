@@ -103,7 +103,7 @@ def test_a_wrong_command_does_not_parse():
     """The parser check can fail: a misspelt option, a missing argument, a word where a number goes."""
     for wrong in [
         "ratchet lineage --jsn",
-        "ratchet ingest",
+        "ratchet ingest --from",
         "ratchet promote GEN",
         "ratchet contract lnt x.yaml",
     ]:

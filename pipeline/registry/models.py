@@ -284,7 +284,9 @@ class Experience(Base):
     # the conversation the turn belongs to: a Responses ``previous_response_id`` chain's first response, or the
     # conversation / session id a client or an imported trace gave; NULL when none is known
     conversation_id: Mapped[str | None] = mapped_column(String(100))
-    tools: Mapped[list | None] = mapped_column(JSONText)  # the client's tools offered on the turn (OpenAI shape)
+    tools: Mapped[list | None] = mapped_column(
+        JSONText
+    )  # the client's tools offered on the turn (OpenAI shape)
     # ``documents.ServedTokens`` by the index (a string) of each assistant message the server decoded: the
     # exact ids the model was given and wrote, so training need not re-render them
     served_tokens: Mapped[dict | None] = mapped_column(JSONText)

@@ -228,7 +228,11 @@ def test_a_trace_keeps_its_conversation_tools_and_served_ids(engine):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     served = {"1": {"tokenizer": "f" * 64, "prompt_ids": [5, 6, 7], "completion_ids": [8, 2]}}
     first = trace_row(
-        validate_trace(trace), source="deployment", conversation_id="conv-1", tools=tools, served_tokens=served
+        validate_trace(trace),
+        source="deployment",
+        conversation_id="conv-1",
+        tools=tools,
+        served_tokens=served,
     )
     other = trace_row(validate_trace(trace), source="deployment", conversation_id="conv-2", tools=tools)
     plain = trace_row(validate_trace(trace), source="deployment")
