@@ -30,6 +30,22 @@ Modes:
 Every row decodes exactly ``--new-tokens`` tokens (end tokens are ignored) so the modes do equal work.
 Targets: tiny (issue 4) mixed/base >= 0.7, mixed/naive >= 3; real (issue 9) mixed with separate LoRA /
 base >= 0.85, mixed/naive >= 10.
+
+Structured outputs (``--measure grammar``; issue 25), on the same two models, base only:
+
+6. tokens/s of batches whose rows are all constrained by a JSON schema (``pipeline.modeling.grammar``:
+   per-row xgrammar masks in the batched decoder) against the same rows unconstrained, interleaved rounds,
+   best of each (target >= 0.9x). The schema (an array of at least 64 objects with bounded strings,
+   integers, booleans and an enum) cannot be complete within ``--new-tokens``: every row decodes them all;
+7. grammar compile time per schema (JSON schemas and tool-call grammars in each harness format), first
+   compile (cache cleared) and cached.
+
+8. the Responses API (``--measure responses``; issue 25): p50 / p95 latency of ``POST /v1/responses`` against
+   ``POST /v1/chat/completions`` for the same prompts on one server, one client at a time and with
+   ``--latency-clients`` concurrent clients, interleaved rounds (best of ``--http-rounds``), and the ratios.
+
+``--measure`` picks the measurements (``all``, the default: every one; ``mixlora``: 1-5; ``grammar``: 6-7;
+``responses``: 8).
 """
 
 from __future__ import annotations
@@ -150,6 +166,74 @@ async def http_latency(
 
 
 TARGETS = {"tiny": (0.7, 3.0), "real": (0.85, 10.0)}
+GRAMMAR_TARGET = 0.9  # issue 25: tokens/s constrained by a JSON schema / unconstrained
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["call", "meeting", "other"]},
+    },
+    "required": ["name", "count", "ok", "kind"],
+    "additionalProperties": False,
+}
+THROUGHPUT_SCHEMA = {"type": "array", "items": ITEM, "minItems": 64}
+COMPILE_SCHEMAS = {
+    "flat": ITEM,
+    "pydantic-like": {
+        "type": "object",
+        "title": "Event",
+        "properties": {
+            "name": {"type": "string"},
+            "date": {"type": "string"},
+            "participants": {"type": "array", "items": {"type": "string"}},
+            "priority": {"type": "integer"},
+        },
+        "required": ["name", "date", "participants", "priority"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["id", "tags", "zip"],
+            },
+            "score": {"type": "number"},
+        },
+        "required": ["user", "score"],
+    },
+}
+BENCH_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "set_timer",
+            "parameters": {
+                "type": "object",
+                "properties": {"minutes": {"type": "integer"}},
+                "required": ["minutes"],
+            },
+        },
+    },
+]
 SPOOL_TARGET = 0.95  # issue 22: throughput with the write-ahead spool / without it
 
 
@@ -261,6 +345,245 @@ def bench(model: str, args) -> None:
     print(f"{model}: {time.perf_counter() - started:.0f} s")
 
 
+def grammar_runtime(model: str, root: Path, args):
+    """The base model alone (no adapters) as a runtime, for the structured-output measurements."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline.environment.tinymodel import TinyModelConfig, _model_config, build_tokenizer
+    from pipeline.modeling.placement import placement
+    from pipeline.serving.runtime import load_runtime
+
+    if model == "real":
+        from bench.realproportions import ensure_real_model
+
+        base = ensure_real_model(args.cache)
+    elif args.model_dir is not None and (args.model_dir / "config.json").is_file():
+        base = args.model_dir
+    else:
+        base = root / "grammar-base"
+        torch.manual_seed(0)
+        tok = build_tokenizer()
+        LlamaForCausalLM(_model_config(TinyModelConfig(), tok)).save_pretrained(base)
+        tok.save_pretrained(base)
+    where = placement(dtype=args.dtype, device=args.device)
+    return load_runtime(base, [], specialists=list(SPECIALISTS), where=where)
+
+
+def constrained_throughput(rt, args) -> tuple[dict[str, tuple[float, float]], int, int]:
+    """Best (wall, cpu) seconds of the rows unconstrained (``free``) and constrained by
+    ``THROUGHPUT_SCHEMA`` (``json``), interleaved rounds; the tokens decoded per round; rounds."""
+    import dataclasses
+
+    from pipeline.modeling.grammar import json_schema_grammar
+    from pipeline.serving.runtime import GenerationRequest
+
+    rt.end_ids = set()  # fixed-length rows: equal work (the schema cannot be complete within them)
+    free = [
+        GenerationRequest("__base__", tuple(rt.encode([{"role": "user", "content": t}])), args.new_tokens)
+        for _, t in prompts(args.requests)
+    ]
+    spec = json_schema_grammar(THROUGHPUT_SCHEMA)
+    rt.check_grammar(spec)
+    constrained = [dataclasses.replace(r, grammar=spec) for r in free]
+    timed_generate(rt, free[:4], 4)  # warm-up
+    timed_generate(rt, constrained[:4], 4)
+    for result in rt.generate(constrained[:8]):  # every row decodes all its tokens, as JSON
+        assert result.completion_tokens == args.new_tokens and result.text.startswith("[{"), result
+    modes = {"free": free, "json": constrained}
+    repeats = args.repeats or 5  # the ratio is small: more rounds than the mixed-LoRA modes
+    rounds = [
+        {name: timed_generate(rt, reqs, args.batch) for name, reqs in modes.items()} for _ in range(repeats)
+    ]
+    best = {name: tuple(min(r[name][i] for r in rounds) for i in range(2)) for name in modes}
+    return best, len(free) * args.new_tokens, repeats  # type: ignore[return-value]
+
+
+def compile_times(rt) -> dict[str, tuple[float, float]]:
+    """Per grammar: (first compile ms with the cache cleared, cached ms)."""
+    from pipeline.modeling import grammar
+
+    specs = {name: grammar.json_schema_grammar(schema) for name, schema in COMPILE_SCHEMAS.items()}
+    specs["json_object"] = grammar.json_object_grammar()
+    for fmt in ("json", "openai", "compact"):
+        specs[f"tool calls ({fmt}, parallel)"] = grammar.tool_call_grammar(
+            BENCH_TOOLS, fmt=fmt, parallel=True
+        )
+    grammar.clear_cache()
+    out = {}
+    for name, spec in specs.items():
+        started = time.perf_counter()
+        rt.check_grammar(spec)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        rt.check_grammar(spec)
+        out[name] = (first * 1000, (time.perf_counter() - started) * 1000)
+    return out
+
+
+def bench_grammar(model: str, args) -> None:
+    """Print measurements 6 and 7 (structured outputs) on ``model``."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        rt = grammar_runtime(model, Path(tmp), args)
+        best, tokens, repeats = constrained_throughput(rt, args)
+        compiled = compile_times(rt)
+    (free_wall, free_cpu), (json_wall, json_cpu) = best["free"], best["json"]
+    ratio = free_wall / json_wall
+    print(
+        f"\n== {model} structured outputs: vocabulary {rt.vocab_size}, {args.requests} rows, {args.new_tokens} "
+        f"new tokens each, batch {args.batch}, best of {repeats}; 1-min load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'unconstrained':34s} {tokens / free_wall:8.0f} tok/s wall {tokens / free_cpu:8.0f} tok/s cpu")
+    print(
+        f"{'json_schema constrained':34s} {tokens / json_wall:8.0f} tok/s wall {tokens / json_cpu:8.0f} tok/s cpu"
+        f"  vs unconstrained: {ratio:5.2f}x wall, {free_cpu / json_cpu:5.2f}x cpu "
+        f"(target >= {GRAMMAR_TARGET}: {'met' if ratio >= GRAMMAR_TARGET else 'MISSED'})"
+    )
+    for name, (first, cached) in compiled.items():
+        print(f"grammar compile {name:28s} first {first:8.2f} ms   cached {cached:6.3f} ms")
+    print(f"{model} structured outputs: {time.perf_counter() - started:.0f} s")
+
+
+async def post_latency(url: str, path: str, bodies: list[dict], clients: int) -> tuple[list[float], float]:
+    """Latency of each ``POST path`` (one body each) sent by ``clients`` concurrent clients; wall seconds."""
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    latencies: list[float] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            body = queue.get_nowait()
+            t0 = time.perf_counter()
+            r = await http.post(path, json=body)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        await asyncio.gather(*[client(http) for _ in range(clients)])
+    return latencies, time.perf_counter() - started
+
+
+def champion_registry(root: Path, base: Path, sources) -> str:
+    """A SQLite registry under ``root`` whose champion serves ``base`` with ``sources`` (the demo harness)."""
+    from pipeline.registry import (
+        create_adapter,
+        create_generation,
+        get_engine,
+        promote_generation,
+        register_base_model,
+        register_contract,
+        register_harness,
+        session_scope,
+        upgrade_db,
+    )
+    from pipeline.specs.harness import load_harness
+
+    url = f"sqlite:///{root / 'latency.db'}"
+    upgrade_db(url)
+    harness = load_harness(Path(__file__).resolve().parent.parent / "harnesses" / "demo.yaml")
+    with session_scope(get_engine(url)) as s:
+        b = register_base_model(session=s, name=base.name, path=str(base), spec={})
+        hv = register_harness(
+            session=s, name=harness.name, version=harness.version, spec=harness.model_dump(mode="json")
+        )
+        cv = register_contract(session=s, name="bench", version="1", spec={})
+        ids = {
+            src.specialist: create_adapter(
+                session=s,
+                specialist=src.specialist,
+                base_model_id=b.id,
+                rank=src.rank,
+                alpha=32,
+                target_modules=list(src.target_modules),
+                artifact_uri=str(src.path),
+                sha256=src.sha256,
+                artifact_root=root,
+            ).id
+            for src in sources
+        }
+        gen = create_generation(
+            session=s,
+            base_model_id=b.id,
+            harness_version_id=hv.id,
+            contract_version_id=cv.id,
+            specialists=list(SPECIALISTS),
+            adapters=ids,
+        )
+        promote_generation(session=s, generation=gen)
+    return url
+
+
+def bench_responses(model: str, args) -> None:
+    """Issue 25: p50 / p95 latency of ``POST /v1/responses`` and ``POST /v1/chat/completions`` for the same
+    prompts on one server (the same turn pipeline behind both), one client at a time and with
+    ``--latency-clients`` concurrent clients, in interleaved rounds (best of ``--http-rounds``); the ratio
+    responses / chat of each figure. Every request decodes exactly ``--new-tokens`` tokens."""
+    from pipeline.serving.runtime import AdapterSource
+    from pipeline.serving.served import ServeConfig
+    from pipeline.serving.server import create_app
+    from pipeline.specs.loading import file_sha256
+
+    texts = [t for _, t in prompts(args.requests)]
+    bodies = {
+        "chat": [
+            {"model": "ratchet", "messages": [{"role": "user", "content": t}], "max_tokens": args.new_tokens}
+            for t in texts
+        ],
+        "responses": [{"model": "ratchet", "input": t, "max_output_tokens": args.new_tokens} for t in texts],
+    }
+    paths = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+    levels = sorted({1, args.latency_clients})
+    best: dict[tuple[str, int], tuple[float, float, float]] = {}  # (endpoint, clients) -> p50, p95, req/s
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base, adapters = build_models(root, model, args)
+        sources = [
+            AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
+            for s, p in adapters.items()
+        ]
+        config = ServeConfig(
+            registry_url=champion_registry(root, base, sources),
+            device=args.device,
+            poll_seconds=0,
+            max_batch_size=args.batch,
+            max_wait_ms=5,
+            spool_dir=str(root / "spool"),
+        )
+        app = create_app(config)
+        with ServerThread(app) as srv:
+            app.state.ratchet.current.engine.runtime.end_ids = set()  # fixed-length rows: equal work
+            for name in paths:  # warm-up
+                asyncio.run(post_latency(srv.url, paths[name], bodies[name][:8], 4))
+            for _round in range(args.http_rounds):  # interleaved: both endpoints see the same machine load
+                for clients in levels:
+                    for name in paths:
+                        lat, wall = asyncio.run(post_latency(srv.url, paths[name], bodies[name], clients))
+                        p50, p95 = statistics.median(lat), statistics.quantiles(lat, n=20)[-1]
+                        old = best.get((name, clients))
+                        now = (p50, p95, len(lat) / wall)
+                        best[(name, clients)] = (
+                            now if old is None else (*map(min, old[:2], now[:2]), max(old[2], now[2]))
+                        )
+            assert app.state.ratchet.recorder.flush(60), "served turns were not stored"
+    print(
+        f"\n== {model}: POST /v1/responses vs /v1/chat/completions, {len(texts)} prompts each, "
+        f"{args.new_tokens} new tokens, best of {args.http_rounds} interleaved rounds; "
+        f"1-min load average at the end {os.getloadavg()[0]:.1f}"
+    )
+    for clients in levels:
+        (c50, c95, crps), (r50, r95, rrps) = best[("chat", clients)], best[("responses", clients)]
+        print(
+            f"{clients:2d} client(s): chat p50 {c50 * 1000:6.0f} ms p95 {c95 * 1000:6.0f} ms {crps:5.1f} req/s | "
+            f"responses p50 {r50 * 1000:6.0f} ms p95 {r95 * 1000:6.0f} ms {rrps:5.1f} req/s | "
+            f"responses/chat p50 {r50 / c50:4.2f}x p95 {r95 / c95:4.2f}x"
+        )
+
+
 def run_lru(base, sources, where, mixed, all_rt, args):
     """(seconds with all attached, seconds with the LRU) for the requests with Zipf-drawn adapters."""
     import dataclasses
@@ -285,6 +608,14 @@ def run_lru(base, sources, where, mixed, all_rt, args):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "real", "all"), default="all")
+    ap.add_argument(
+        "--measure",
+        choices=("all", "mixlora", "grammar", "responses"),
+        default="all",
+        help="mixlora: the mixed-adapter, HTTP and LRU measurements (1-5); grammar: structured outputs (6-7); "
+        "responses: /v1/responses vs /v1/chat/completions latency (8)",
+    )
+    ap.add_argument("--latency-clients", type=int, default=8, help="concurrent clients of the responses run")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=64)
@@ -329,7 +660,12 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     for model in ("tiny", "real") if args.model == "all" else (args.model,):
-        bench(model, args)
+        if args.measure in ("all", "mixlora"):
+            bench(model, args)
+        if args.measure in ("all", "grammar"):
+            bench_grammar(model, args)
+        if args.measure in ("all", "responses"):
+            bench_responses(model, args)
 
 
 def _targets(path: Path) -> list[str]:

@@ -5,15 +5,31 @@ adapter (set per forward call), sampling, seed, stop strings and length. A finis
 ``Abort`` was set (a timeout, a client that left), is dropped from the batch and its cache at once; text
 is reported through ``on_text(row, delta)`` as it becomes final (held back while it may start a stop
 string).
+
+A row may carry a grammar (``pipeline.modeling.grammar``): rows with and without one share the batch; each
+grammar row has its own matcher, whose token bitmask is applied to its logits before sampling (greedy or
+sampled), the end tokens allowed only where the grammar is complete; the chosen token advances it. A row
+may ask for ``logprobs``; every result carries ``completion_ids``, exactly the ids decoded.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.modeling.detokenization import TextStream
+from pipeline.modeling.grammar import (
+    GrammarError,
+    GrammarSpec,
+    allocate_bitmask,
+    apply_bitmask,
+    new_matcher,
+    token_bytes,
+)
+
+log = logging.getLogger(__name__)
 
 
 class Decodable(Protocol):
@@ -64,9 +80,22 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     abort: Abort | None = field(default=None, compare=False)
+    grammar: GrammarSpec | None = None  # constrain the completion (None: free text)
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
 
     def aborted(self) -> str | None:
         return None if self.abort is None else self.abort.reason
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One decoded token's log-probability (OpenAI's ``logprobs.content`` item): its text, its UTF-8
+    bytes, and the ``top`` most likely tokens as ``(text, logprob, bytes)``."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
 
 
 @dataclass
@@ -74,7 +103,9 @@ class GenerationResult:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop", "length", or why it was stopped ("timeout", "disconnected")
+    finish_reason: str  # "stop", "length", or why it was stopped ("timeout", "disconnected", "error")
+    completion_ids: list[int] = field(default_factory=list)  # every id decoded, the end token included
+    logprobs: list[TokenLogprob] | None = None  # one per completion id, when the request asked
 
 
 def _holdback(text: str, stop: tuple[str, ...]) -> int:
@@ -106,9 +137,35 @@ def _pick(logits: Any, reqs: list[GenerationRequest], gens: list[Any]) -> list[i
     return out
 
 
+def _token(vocab_bytes: list[bytes], tok: int) -> tuple[str, list[int]]:
+    raw = vocab_bytes[tok] if tok < len(vocab_bytes) else b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _logprobs(logp: Any, rows: list[int], ks: list[int], chosen: list[int], vocab_bytes: list[bytes]) -> list:
+    """``TokenLogprob`` of batch rows ``rows`` (``logp``: their log-softmax, one line each; ``ks``: top k)."""
+    import torch
+
+    picked = logp.gather(1, torch.tensor([chosen[b] for b in rows], device=logp.device)[:, None])[:, 0]
+    k = max(ks)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    picked, top_v, top_i = picked.tolist(), top_v.tolist(), top_i.tolist()
+    out = []
+    for n, b in enumerate(rows):
+        text, raw = _token(vocab_bytes, chosen[b])
+        top = [
+            (*_token(vocab_bytes, t), v) for t, v in zip(top_i[n][: ks[n]], top_v[n][: ks[n]], strict=True)
+        ]
+        out.append(TokenLogprob(text, picked[n], raw, [(t, v, r) for t, r, v in top]))
+    return out
+
+
 def decode_batch(
     rt: Decodable, reqs: list[GenerationRequest], on_text: Callable | None
 ) -> list[GenerationResult]:
+    """Decode ``reqs`` in one batch. Log-probabilities (``logprobs``) are the model's own: the log-softmax of
+    its logits before the grammar's mask, the temperature and top-p (as vLLM's default ``raw_logprobs``), so a
+    constrained token may have a low one."""
     import torch
 
     n = len(reqs)
@@ -128,6 +185,11 @@ def decode_batch(
     streams = [TextStream(rt.tokenizer) for _ in range(n)]
     texts, sent, counts = [""] * n, [0] * n, [0] * n
     finish = ["length"] * n
+    decoded: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob] | None] = [None if r.logprobs is None else [] for r in reqs]
+    matchers: list[Any] = [None] * n
+    failed = [False] * n  # a grammar that could not be compiled: the row ends as "error"
+    bitmask, vocab_bytes, vocab = None, [], 0
     active = list(range(n))  # original row index of each batch row
     names = [rt.adapter_name(r.adapter) for r in reqs]
     past = None
@@ -143,26 +205,78 @@ def decode_batch(
             **rt._adapter_kwargs([names[i] for i in active]),
         )
         past = out.cache
-        chosen = _pick(out.logits[:, -1, :], [reqs[i] for i in active], [gens[i] for i in active])
+        logits = out.logits[:, -1, :]
+        if not vocab:  # the first step: the logits' width is known
+            vocab = logits.shape[-1]
+            for i, r in enumerate(reqs):
+                if r.grammar is not None:
+                    try:
+                        matchers[i] = new_matcher(
+                            rt.tokenizer, r.grammar, vocab_size=vocab, stop_ids=rt.end_ids
+                        )
+                    except GrammarError as exc:
+                        log.warning("row %d: %s", i, exc)
+                        failed[i] = True
+            if any(r.logprobs is not None for r in reqs):
+                vocab_bytes = token_bytes(rt.tokenizer, vocab)
+        constrained = [b for b, i in enumerate(active) if matchers[i] is not None]
+        lp_rows = [b for b, i in enumerate(active) if reqs[i].logprobs is not None]
+        dead: set[int] = set()
+        if constrained or lp_rows:
+            logits = logits.float()
+        logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # before the mask
+        if constrained:
+            if bitmask is None:
+                bitmask = allocate_bitmask(n, vocab)
+            for b in constrained:
+                matchers[active[b]].fill_next_token_bitmask(bitmask, b)
+            apply_bitmask(logits, bitmask, constrained)
+            nothing = (bitmask[constrained] == 0).all(dim=-1).tolist()  # no token allowed at all
+            for b, none_left in zip(constrained, nothing, strict=True):
+                if none_left:  # nothing is allowed (no end token to finish on): the row ends here
+                    dead.add(b)
+                    logits[b, 0] = 0.0
+        chosen = _pick(logits, [reqs[i] for i in active], [gens[i] for i in active])
+        if lp_rows:
+            for b, item in zip(
+                lp_rows,
+                _logprobs(
+                    logp, lp_rows, [reqs[active[b]].logprobs or 0 for b in lp_rows], chosen, vocab_bytes
+                ),
+                strict=True,
+            ):
+                logprobs[active[b]].append(item)  # type: ignore[union-attr]
         keep: list[int] = []
         for b, i in enumerate(active):
-            tok, r = chosen[b], reqs[i]
+            tok, r, matcher = chosen[b], reqs[i], matchers[i]
             done = False
             why = r.aborted()
             if why is not None:  # stopped from outside: the row leaves the batch with what it has
                 texts[i], finish[i], done = streams[i].final(), why, True
-            elif tok in rt.end_ids:
-                texts[i], finish[i], done = streams[i].final(), "stop", True
+            elif failed[i] or b in dead:
+                complete = matcher is not None and matcher.is_completed()
+                texts[i], finish[i], done = streams[i].final(), "stop" if complete else "error", True
             else:
-                counts[i] += 1
-                streams[i].push(tok)
-                texts[i] = streams[i].text
-                hit = min((texts[i].find(s) for s in r.stop if s in texts[i]), default=-1)
-                if hit >= 0:
-                    texts[i], finish[i], done = texts[i][:hit], "stop", True
-                elif counts[i] >= r.max_new_tokens or len(r.prompt_ids) + counts[i] >= rt.context_limit:
-                    # at the limit: a last, incomplete character as decode shows it
-                    texts[i], done = streams[i].final(), True
+                decoded[i].append(tok)
+                if matcher is not None and not matcher.accept_token(tok):
+                    log.warning("row %d: the grammar refused token %d it allowed", i, tok)
+                    texts[i], finish[i], done = streams[i].final(), "error", True
+                elif tok in rt.end_ids:
+                    texts[i], finish[i], done = streams[i].final(), "stop", True
+                else:
+                    counts[i] += 1
+                    streams[i].push(tok)
+                    texts[i] = streams[i].text
+                    hit = min((texts[i].find(s) for s in r.stop if s in texts[i]), default=-1)
+                    if hit >= 0:
+                        texts[i], finish[i], done = texts[i][:hit], "stop", True
+                    elif counts[i] >= r.max_new_tokens or len(r.prompt_ids) + counts[i] >= rt.context_limit:
+                        # at the limit: a last, incomplete character as decode shows it
+                        texts[i], done = streams[i].final(), True
+                        if matcher is not None and matcher.is_completed():
+                            finish[i] = "stop"  # the grammar is complete: nothing was cut
+            if logprobs[i] is not None and len(logprobs[i]) > len(decoded[i]):  # type: ignore[arg-type]
+                logprobs[i].pop()  # type: ignore[union-attr] # a token not decoded (aborted, dead)
             upto = len(texts[i]) if done else len(texts[i]) - _holdback(texts[i], r.stop)
             if on_text is not None and upto > sent[i]:
                 on_text(i, texts[i][sent[i] : upto])
@@ -180,4 +294,7 @@ def decode_batch(
         mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long, device=rt.device)], dim=1)
         step_pos = step_pos[:, -1:] + 1
         step_ids = next_ids
-    return [GenerationResult(texts[i], len(reqs[i].prompt_ids), counts[i], finish[i]) for i in range(n)]
+    return [
+        GenerationResult(texts[i], len(reqs[i].prompt_ids), counts[i], finish[i], decoded[i], logprobs[i])
+        for i in range(n)
+    ]

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.errors import RatchetError
-from pipeline.modeling.templating import encode_prompt, encode_text
+from pipeline.modeling.grammar import GrammarSpec
+from pipeline.modeling.templating import encode_prompt, encode_text, tokenizer_fingerprint
+from pipeline.serving.decoder import TokenLogprob
 from pipeline.serving.runtime import UNKNOWN, Abort, AdapterSource, GenerationRequest, MixtureRuntime
 from pipeline.serving.scheduler import MicroBatchScheduler
 
@@ -39,6 +41,11 @@ class EngineRequest:
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None  # offered to engines whose models call tools natively
     abort: Abort | None = None  # set to stop it (timeout, client gone)
+    grammar: GrammarSpec | None = None  # constrained decoding (embedded engine)
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the top k (embedded engine)
+    # the client's own OpenAI parameters (response_format, tool_choice, parallel_tool_calls, logprobs,
+    # top_logprobs) that the external engine sends unchanged; the embedded engine ignores them
+    passthrough: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +55,10 @@ class EngineResult:
     completion_tokens: int
     finish_reason: str
     tool_calls: list[dict[str, Any]] | None = None  # when the engine parsed calls itself (external)
+    prompt_ids: list[int] | None = None  # the ids decoded from (embedded engine)
+    completion_ids: list[int] | None = None  # the ids decoded, the end token included (embedded engine)
+    tokenizer: str | None = None  # ``tokenizer_fingerprint`` of the tokenizer of those ids
+    logprobs: list[TokenLogprob] | None = None  # one per completion token, when asked
 
 
 class Engine(Protocol):
@@ -60,6 +71,8 @@ class Engine(Protocol):
     ) -> int: ...
 
     def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]: ...
+
+    def check_grammar(self, spec: GrammarSpec) -> None: ...
 
     async def label_scores(
         self, messages: list[dict[str, Any]], labels: Sequence[str], specialist: str
@@ -79,6 +92,11 @@ class EmbeddedEngine:
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return self.runtime.count_tokens(messages, tools)
 
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for the served tokenizer (cached), or raise ``GrammarError``. It may take up to
+        ``grammar.COMPILE_SECONDS`` on a hostile schema: call it off the event loop."""
+        self.runtime.check_grammar(spec)
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
         if request.specialist not in self.runtime.specialists:
             raise RatchetError(f"specialist {request.specialist!r} is not served by this generation")
@@ -94,6 +112,8 @@ class EmbeddedEngine:
                 stop=request.stop,
                 seed=request.seed,
                 abort=request.abort,
+                grammar=request.grammar,
+                logprobs=request.logprobs,
             ),
         )
         if request.abort is not None:
@@ -103,7 +123,16 @@ class EmbeddedEngine:
         r = await ticket.result
         if r.finish_reason == UNKNOWN:
             raise RatchetError(f"specialist {request.specialist!r} was unloaded before it was served")
-        yield EngineResult(r.text, r.prompt_tokens, r.completion_tokens, r.finish_reason)
+        yield EngineResult(
+            r.text,
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.finish_reason,
+            prompt_ids=list(ids),
+            completion_ids=list(r.completion_ids),
+            tokenizer=tokenizer_fingerprint(self.runtime.tokenizer),
+            logprobs=r.logprobs,
+        )
 
     async def label_scores(
         self, messages: list[dict[str, Any]], labels: Sequence[str], specialist: str
@@ -146,6 +175,10 @@ class ExternalEngine:
         chars = sum(len(str(m.get("content") or "")) + 8 for m in messages) + len(str(tools or ""))
         return int(chars / self.chars_per_token) + 1
 
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Nothing to check here: the external engine enforces the client's own parameters (``passthrough``)."""
+        return None
+
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         model = self.model_names.get(request.specialist)
         if model is None:
@@ -165,6 +198,7 @@ class ExternalEngine:
             body["seed"] = request.seed
         if request.tools:
             body["tools"] = request.tools
+        body.update(request.passthrough)  # the client's response_format, tool_choice, logprobs ... unchanged
         return body
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
@@ -208,6 +242,7 @@ class ExternalEngine:
 
     async def _events(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
         text, finish, usage, calls = "", "stop", {}, {}
+        logprobs: list[TokenLogprob] = []
         async with self.client.stream("POST", "/chat/completions", json=self._body(request)) as resp:
             if resp.status_code >= 400:
                 detail = (await resp.aread()).decode(errors="replace")[:300]
@@ -236,6 +271,9 @@ class ExternalEngine:
                         fn = tc.get("function") or {}
                         slot["function"]["name"] += fn.get("name") or ""
                         slot["function"]["arguments"] += fn.get("arguments") or ""
+                    logprobs += [
+                        _token_logprob(item) for item in (choice.get("logprobs") or {}).get("content") or []
+                    ]
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
         yield EngineResult(
@@ -244,6 +282,7 @@ class ExternalEngine:
             int(usage.get("completion_tokens", 0)),
             "stop" if finish == "tool_calls" else finish,
             [calls[k] for k in sorted(calls)] or None,
+            logprobs=logprobs or None,
         )
 
     async def label_scores(
@@ -291,6 +330,21 @@ class ExternalEngine:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _token_logprob(item: dict[str, Any]) -> TokenLogprob:
+    """An OpenAI ``logprobs.content`` item as a ``TokenLogprob``."""
+
+    def raw(entry: dict[str, Any]) -> list[int]:
+        given = entry.get("bytes")
+        return list(given) if isinstance(given, list) else list(str(entry.get("token", "")).encode())
+
+    top = [
+        (str(t.get("token", "")), float(t.get("logprob", 0.0)), raw(t))
+        for t in item.get("top_logprobs") or []
+        if isinstance(t, dict)
+    ]
+    return TokenLogprob(str(item.get("token", "")), float(item.get("logprob", 0.0)), raw(item), top)
 
 
 def _message(resp: Any) -> str:

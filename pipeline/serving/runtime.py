@@ -8,7 +8,8 @@ attached again on demand (least recently used evicted), and a batch never mixes 
 
 ``MixtureRuntime.generate`` decodes a list of ``GenerationRequest`` rows in one batch (left padding,
 KV cache, per-row temperature / top-p / seed / stop strings / length, finished rows dropped from the
-batch), calling ``on_text(row, delta)`` as text becomes final, for streaming. A row whose ``Abort`` is set
+batch; a row may carry a grammar and ask for logprobs, see ``decoder``), calling ``on_text(row, delta)`` as
+text becomes final, for streaming. A row whose ``Abort`` is set
 (a timeout, a client that left) leaves the batch at the next step with what it produced so far. Greedy
 rows give the same output in a mixed batch as alone (tested).
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
 from pipeline.modeling.decoding import end_token_ids
+from pipeline.modeling.grammar import GrammarSpec, check_grammar
 from pipeline.modeling.placement import placement
 from pipeline.modeling.templating import encode_prompt, encode_text
 from pipeline.serving import mixlora
@@ -123,6 +125,7 @@ class MixtureRuntime:
         self.pool = pool if pool is not None else AdapterPool(model)
         cfg = getattr(model, "config", None)
         self.context_limit = int(getattr(cfg, "max_position_embeddings", 0) or tokenizer.model_max_length)
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(tokenizer))  # the logits' width
         special = set(tokenizer.all_special_ids)
         self.end_ids = (special - ({tokenizer.unk_token_id} - {None})) | end_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -215,6 +218,10 @@ class MixtureRuntime:
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.encode(messages, tools))
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for this tokenizer now (cached for the decoding), or raise ``GrammarError``."""
+        check_grammar(self.tokenizer, spec, vocab_size=self.vocab_size)
 
     def generate(
         self, requests: Sequence[GenerationRequest], on_text: Callable[[int, str], None] | None = None
