@@ -104,11 +104,86 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+def _nested(model: type[BaseModel], value: Any) -> Any:
+    """``value`` validated as ``model``, its first problem raised as one line about the parameter itself (so the
+    400 names the parameter, e.g. ``response_format``, not a path inside it)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ValueError(
+            f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}"
+        ) from None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid under a schema (enforced while decoding)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 MAX_METADATA_BYTES = 64 << 10
+MAX_N = 8  # choices per request: each is a row of the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+# Parameters accepted and not acted on (nothing a client relies on changes): who the end user is, caching and
+# storage hints (every turn is stored as experience anyway), the service tier, and how much to reason or say
+# (hints agent SDKs send with their default model settings; the specialist decodes as its harness says).
+ACCEPTED = (
+    "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "store", "service_tier",
+    "reasoning_effort", "verbosity",
+)  # fmt: skip
+# Parameters refused unless absent, null or their neutral value (a 400 naming them, never a silent 200).
+REFUSED = (
+    "frequency_penalty", "presence_penalty", "logit_bias", "functions", "function_call", "audio", "modalities",
+    "prediction", "web_search_options",
+)  # fmt: skip
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """Whether a ``REFUSED`` parameter's value asks for nothing (``0`` penalties, ``{}`` bias, text only)."""
+    if value is None:
+        return True
+    if name in ("frequency_penalty", "presence_penalty"):
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+    if name == "logit_bias":
+        return value == {}
+    if name == "modalities":
+        return value == ["text"]
+    return False
 
 
 class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions`` body (unknown OpenAI parameters are accepted and ignored)."""
+    """``POST /v1/chat/completions`` body. ``unsupported()`` names a parameter the server does not honour
+    (the chat route refuses it with a 400); the model itself keeps unknown fields so that the
+    ``--expose-adapters`` engine stays as lenient as vLLM."""
 
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
@@ -121,12 +196,31 @@ class ChatRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_token_ids: StrictBool | None = None  # vLLM's: prompt_token_ids and each choice's token_ids
     seed: StrictInt | None = None
     metadata: dict[str, Any] | None = None  # stored with the trace: what the deployment knows (`expected`...)
 
     _numbers = field_validator("temperature", "top_p", mode="before")(_no_str_or_bool)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("must be none, auto, required or {type: function, function: {name}}")
+        return _nested(NamedToolChoice, value)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        return None if value is None else _nested(ResponseFormat, value)
 
     @field_validator("stop")
     @classmethod
@@ -153,6 +247,28 @@ class ChatRequest(BaseModel):
             raise ValueError("messages need at least one user message")
         return value
 
+    def unsupported(self) -> ApiError | None:
+        """The 400 for the first parameter this server does not honour, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in ACCEPTED:
+                continue
+            if name in REFUSED:
+                if _neutral(name, value):
+                    continue
+                return ApiError(400, f"{name} is not supported by this server", param=name)
+            return ApiError(400, f"{name} is not a parameter this server knows", param=name)
+        if self.top_logprobs is not None and not self.logprobs:
+            return ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in [t.function.name for t in self.tools or []]:
+                name = self.tool_choice.function.name
+                return ApiError(
+                    400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+                )
+        elif self.tool_choice == "required" and not self.tools:
+            return ApiError(400, "tool_choice required needs tools", param="tool_choice")
+        return None
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -161,6 +277,16 @@ class ChatRequest(BaseModel):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def choices(self) -> int:
+        return self.n or 1
+
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools a call must pick from when ``tool_choice`` forces one (``required``: any offered, named:
+        that one); None when the model may answer in text."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name][:1]
+        return list(self.tools or []) if self.tool_choice == "required" else None
+
     def tool_names(self) -> list[str]:
         if not self.tools or self.tool_choice == "none":
             return []
@@ -168,6 +294,23 @@ class ChatRequest(BaseModel):
 
     def plain_messages(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def passthrough(self) -> dict[str, Any]:
+        """The OpenAI parameters an external engine enforces itself, as the client sent them."""
+        out: dict[str, Any] = {}
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.model_dump(by_alias=True, exclude_none=True)
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = self.top_logprobs
+        if self.tool_names():  # tools are sent: how to call them too
+            if self.tool_choice is not None:
+                tc = self.tool_choice
+                out["tool_choice"] = tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
+            if self.parallel_tool_calls is not None:
+                out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
 
 
 MAX_INT_DIGITS = 4300  # Python's own limit for int(str) (sys.get_int_max_str_digits): beyond it int() raises

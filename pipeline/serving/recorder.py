@@ -18,7 +18,9 @@ twice is two events). Metadata: ``specialist``, ``generation``, ``latency_ms``, 
 ``completion_tokens``, ``route_reason``, ``route_method``, ``route_scores``, ``finish_reason``, ``model``,
 ``engine``, and ``summaries`` (``{assistant message index: summary}``, server-side only: the extractive
 summary when spooled, replaced by the model-written one when it arrives); the client's own metadata beside
-them when its principal may certify, else under ``claimed``. The row names its principal.
+them when its principal may certify, else under ``claimed``. The row names its principal, and keeps beside
+the trace the client's ``tools``, the conversation it belongs to (``conversation_id``) and the token ids the
+server decoded (``served_tokens``, ``ServedTokens`` by assistant message index).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from pipeline.errors import NotFoundError
 from pipeline.experience.toolcalls import normalize_tool_calls
 from pipeline.registry import TraceRow, attach_feedback, insert_traces, session_scope
+from pipeline.registry.documents import ServedTokens
 from pipeline.registry.experience import set_served_summary
 from pipeline.serving.spool import Entry, Spool, encode
 
@@ -61,7 +64,12 @@ def served_trace_row(
     generation_id: int | None,
     harness_version_id: int | None,
     principal: str,
+    tools: list[dict[str, Any]] | None = None,
+    conversation_id: str | None = None,
+    served_tokens: dict[str, ServedTokens] | None = None,
 ) -> TraceRow:
+    """The row of one served turn; ``tools`` (the client's, OpenAI chat shape), ``conversation_id`` and
+    ``served_tokens`` (by assistant message index) are stored beside the trace, outside its content hash."""
     messages = normalize_tool_calls(messages)  # a client's object arguments stored as JSON text, as ours
     trace = {"messages": messages, "metadata": metadata, "feedback": None}
     digest = hashlib.sha256((canonical(trace) + completion_id).encode()).hexdigest()
@@ -77,6 +85,11 @@ def served_trace_row(
         harness_version_id=harness_version_id,
         completion_id=completion_id,
         principal=principal,
+        tools=canonical(tools) if tools is not None else None,
+        conversation_id=conversation_id,
+        served_tokens=(
+            canonical({k: v.model_dump() for k, v in served_tokens.items()}) if served_tokens else None
+        ),
     )
 
 

@@ -3,8 +3,11 @@
 ``create_app(config)`` builds the FastAPI app behind ``ratchet serve``:
 
 - ``POST /v1/chat/completions`` (plain or ``stream: true`` SSE ending with ``[DONE]``; tools and tool
-  calls; ``usage``). The response names the specialist that served the turn in the header
-  ``X-Ratchet-Specialist`` and in ``metadata.specialist`` (never an adapter path).
+  calls; ``usage``; ``response_format``, ``tool_choice`` and ``parallel_tool_calls`` enforced by constrained
+  decoding (``constraints``); ``n``; ``logprobs``; vLLM's ``return_token_ids``: ``completions``). A parameter
+  it does not honour is a 400 naming it (``ChatRequest.unsupported``). The response names the specialist
+  that served the turn in the header ``X-Ratchet-Specialist`` and in ``metadata.specialist`` (never an
+  adapter path; every ``metadata`` value a string). ``POST /v1/responses``: ``pipeline.serving.responses``.
 - ``GET /v1/models``; ``POST /v1/feedback`` (``completion_id``, ``rating``, ``correction``);
   ``POST /admin/reload`` (switch to a newly promoted champion now); ``GET /health``.
 - With ``config.poll_seconds`` the registry is polled and a new champion is loaded in the background and
@@ -46,18 +49,12 @@ from pipeline.experience.principals import SCOPES, Principal, parse_scopes
 from pipeline.registry import Experience, create_api_key, list_api_keys, revoke_api_key, session_scope
 from pipeline.scoring import rescore_experience
 from pipeline.serving.access import Access
-from pipeline.serving.limits import Admission, KeyLimit, read_body, watch_disconnect
-from pipeline.serving.protocol import (
-    ApiError,
-    ChatRequest,
-    chunk,
-    completion_body,
-    parse_body,
-    sse,
-    usage_of,
-)
+from pipeline.serving.completions import ChoiceQueue, completion_response, completion_stream, response_headers
+from pipeline.serving.limits import Admission, KeyLimit, Slot, read_body, watch_disconnect
+from pipeline.serving.protocol import ApiError, ChatRequest, parse_body
+from pipeline.serving.responses import install_responses
 from pipeline.serving.served import ServeConfig
-from pipeline.serving.turns import ChatTurn, ServerState
+from pipeline.serving.turns import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +267,11 @@ def create_app(config: ServeConfig) -> FastAPI:
         started = time.perf_counter()
         # Admitted once the body is in (read with its timeouts): a client trickling a body holds no place.
         req = parse_body(await body_of(request), ChatRequest)
+        if (refusal := req.unsupported()) is not None:
+            raise refusal
+        if req.return_token_ids and config.engine == "external":  # the engine's ids never reach this server
+            raise ApiError(400, "return_token_ids needs the embedded engine (not --engine external)",
+                           param="return_token_ids")  # fmt: skip
         if req.model != config.model_name:
             raise ApiError(
                 404,
@@ -277,43 +279,33 @@ def create_app(config: ServeConfig) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
-        slot = state.admit()  # refused at once when full
+        if config.max_queue and req.choices() > config.max_queue:  # would wait for room that never comes
+            raise ApiError(400, f"n {req.choices()} is more than --max-queue {config.max_queue}", param="n")
+        slots: list[Slot] = []
         try:
-            turn = dataclasses.replace(await state.prepare(req, started=started, slot=slot), principal=who)
+            for _ in range(req.choices()):  # one row of the batch per choice, refused at once when full
+                slots.append(state.admit())
+            turn = await state.prepare(req, started=started, slot=slots[0])
+            turns = state.choices(dataclasses.replace(turn, principal=who), slots[1:])
         except BaseException:
-            slot.release()
+            for slot in slots:
+                slot.release()
             raise
-        specialist, number = turn.decision.specialist, turn.served.number
-        meta = {"specialist": specialist, "generation": number, "route_reason": turn.decision.reason}
-        headers = {"X-Ratchet-Specialist": specialist, "X-Ratchet-Generation": str(number)}
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, turn.abort))
+        headers = response_headers(turn)
         if req.stream:
             queue: asyncio.Queue = asyncio.Queue()
-            state.track(cid_key(turn.cid, "stream"), _produce(state, turn, queue))
+            watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, turn.abort))
+            for t in turns:
+                state.produce(t, ChoiceQueue(queue, t.choice))
             return StreamingResponse(
-                _stream(state, turn, meta, queue, watcher), media_type="text/event-stream", headers=headers
+                completion_stream(state, turns, queue, watcher),
+                media_type="text/event-stream",
+                headers=headers,
             )
-        task = asyncio.get_running_loop().create_task(state.complete_turn(turn))
-        state.track(cid_key(turn.cid, "turn"), task)
-        try:
-            await asyncio.wait([task], timeout=state.time_left(turn))
-        finally:
-            watcher.cancel()
-        if not task.done():
-            raise state.timeout_error()
-        message, finish, result = task.result()
-        if result.finish_reason == "timeout":
-            raise state.timeout_error()
-        body = completion_body(
-            cid=turn.cid,
-            model=req.model,
-            message=message,
-            finish_reason=finish,
-            usage=usage_of(result.prompt_tokens, result.completion_tokens),
-            metadata=meta,
-            created=turn.created,
-        )
-        return JSONResponse(body, headers=headers)
+        replies = await state.answer_all(turns, request)
+        return JSONResponse(completion_response(turns, replies), headers=headers)
+
+    install_responses(app, state, access, body_of)
 
     return app
 
@@ -433,71 +425,3 @@ def _revoke_key(db: Any, name: str, actor: str) -> KeyInfo:
 
     with session_scope(db) as session:
         return _key_info(revoke_api_key(session=session, name=name, actor=actor))
-
-
-def cid_key(cid: str, what: str) -> str:
-    return f"{cid}:{what}"
-
-
-def _produce(state: ServerState, turn: ChatTurn, queue: asyncio.Queue) -> asyncio.Task:
-    """Decode and record the turn in its own task (a client that leaves mid-stream still leaves its turn
-    in the experience); text deltas, then the reply or the exception, go to ``queue``."""
-
-    async def produce() -> None:
-        try:
-            queue.put_nowait(await state.complete_turn(turn, queue.put_nowait))
-        except Exception as exc:
-            log.exception("stream %s failed", turn.cid)
-            queue.put_nowait(exc)
-
-    return asyncio.get_running_loop().create_task(produce())
-
-
-async def _stream(
-    state: ServerState, turn: ChatTurn, meta: dict, queue: asyncio.Queue, watcher: asyncio.Task
-) -> AsyncIterator[str]:
-    """SSE chunks from ``queue`` (see ``_produce``); if the client leaves first, its row is dropped."""
-    req, cid, created, model = turn.req, turn.cid, turn.created, turn.req.model
-    buffer = bool(req.tool_names())  # a tool call is only known once the whole text is there
-    try:
-        yield chunk(cid, model, created, {"role": "assistant", "content": ""}, metadata=meta)
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), state.time_left(turn))
-            except TimeoutError:
-                yield sse(state.timeout_error().body())
-                return
-            if isinstance(item, Exception):
-                yield sse({"error": {"message": "internal server error", "type": "server_error"}})
-                return
-            if isinstance(item, tuple):
-                message, finish, result = item
-                break
-            if not buffer:
-                yield chunk(cid, model, created, {"content": item})
-        if result.finish_reason == "timeout":
-            yield sse(state.timeout_error().body())
-            return
-        if buffer:
-            if message.get("tool_calls"):
-                calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
-                yield chunk(cid, model, created, {"tool_calls": calls})
-            elif message["content"]:
-                yield chunk(cid, model, created, {"content": message["content"]})
-        yield chunk(cid, model, created, {}, finish)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            usage = usage_of(result.prompt_tokens, result.completion_tokens)
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-        yield "data: [DONE]\n\n"
-    finally:  # closed early (the client left) or done: either way nothing more is decoded for it
-        watcher.cancel()
-        turn.abort.set("disconnected")

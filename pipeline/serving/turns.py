@@ -18,21 +18,21 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
-from pipeline.experience.principals import ANONYMOUS_PRINCIPAL, Principal
 from pipeline.experience.toolcalls import assistant_message
 from pipeline.registry import TraceRow, get_engine
+from pipeline.serving.constraints import checked_grammar, logprobs_wanted
 from pipeline.serving.engines import EngineRequest, EngineResult, complete
-from pipeline.serving.limits import Admission, Slot
+from pipeline.serving.limits import Admission, Slot, watch_disconnect
 from pipeline.serving.protocol import ApiError, ChatRequest, new_completion_id
-from pipeline.serving.recorder import ExperienceRecorder, served_trace_row
-from pipeline.serving.router import RouteDecision, route_turn, turn_from_messages
+from pipeline.serving.recorder import ExperienceRecorder
+from pipeline.serving.router import route_turn, turn_from_messages
 from pipeline.serving.runtime import Abort
 from pipeline.serving.scheduler import MicroBatchScheduler
 from pipeline.serving.served import (
@@ -43,6 +43,7 @@ from pipeline.serving.served import (
     plan_generation,
     sync_engine_adapters,
 )
+from pipeline.serving.traces import STOPPED, ChatTurn, trace_row
 from pipeline.serving.views import (
     ContextOverflowError,
     TurnMemory,
@@ -55,32 +56,6 @@ from pipeline.settings import get_settings
 from pipeline.specs.harness import DecodingParams
 
 log = logging.getLogger(__name__)
-# finish reasons of a turn stopped before its end, and what the recorded experience says about them
-STOPPED = {
-    "timeout": "stopped at the request timeout of {:g} s; the reply is what was produced until then",
-    "disconnected": "the client disconnected; the reply is what was produced until then",
-}
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    """One request on its way through the server: what was asked, who answers, what the engine gets."""
-
-    req: ChatRequest
-    served: Served  # the generation this turn started on (kept even if a new champion is swapped in)
-    decision: RouteDecision
-    ereq: EngineRequest
-    messages: list[dict]  # the client's messages, as sent
-    cid: str
-    created: int  # unix seconds, as the OpenAI protocol reports it
-    started: float  # perf_counter at arrival, for the recorded latency and the timeout
-    slot: Slot | None = None  # its admission, released when decoding ends
-    principal: Principal = ANONYMOUS_PRINCIPAL  # who asked (``pipeline.serving.access``)
-
-    @property
-    def abort(self) -> Abort:
-        assert self.ereq.abort is not None
-        return self.ereq.abort
 
 
 class ServerState:
@@ -243,9 +218,13 @@ class ServerState:
         except RatchetError:
             return None
 
-    async def prepare(self, req: ChatRequest, *, started: float, slot: Slot | None = None) -> ChatTurn:
-        """Route the request and build the specialist's view of the conversation; a view the model's chat
-        template refuses is the client's 400 (one line: the template's own words), never a 500."""
+    async def prepare(
+        self, req: ChatRequest, *, started: float, slot: Slot | None = None, cid: str | None = None
+    ) -> ChatTurn:
+        """Route the request and build the specialist's view of the conversation and its decoding constraints
+        (``pipeline.serving.constraints``); a view the model's chat template refuses, or a grammar the library
+        cannot compile, is the client's 400 (one line), never a 500. ``cid``: the turn's id (default a new
+        ``chatcmpl-...``)."""
 
         def _refused(exc: TemplateError) -> str:
             said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -289,6 +268,9 @@ class ServerState:
             raise ApiError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except TemplateError as exc:  # e.g. a system prompt, a tool result or two calls the template refuses
             raise ApiError(400, _refused(exc), param="messages") from None
+        external = self.config.engine == "external"
+        fmt = served.harness.tool_call_format
+        grammar = None if external else await checked_grammar(req, served.engine, fmt=fmt)
         ereq = EngineRequest(
             specialist=decision.specialist,
             messages=view,
@@ -299,19 +281,40 @@ class ServerState:
             seed=req.seed,
             tools=tools,
             abort=Abort(),
+            grammar=grammar,
+            logprobs=logprobs_wanted(req),
+            passthrough=req.passthrough() if external else {},
         )
-        cid = new_completion_id()
+        cid = cid or new_completion_id()
         return ChatTurn(req, served, decision, ereq, messages, cid, int(time.time()), started, slot)
+
+    def choices(self, turn: ChatTurn, slots: list[Slot]) -> list[ChatTurn]:
+        """The request's ``n`` choices: ``turn`` and one more row per extra slot, sharing its view and its
+        abort (one client), each its own served turn: completion id ``<id>-<i>``, seed ``seed + i``."""
+        ereq = turn.ereq
+        return [turn] + [
+            replace(
+                turn,
+                ereq=replace(ereq, seed=None if ereq.seed is None else ereq.seed + i),
+                cid=f"{turn.cid}-{i}",
+                slot=slot,
+                choice=i,
+            )
+            for i, slot in enumerate(slots, start=1)
+        ]
 
     def answer_message(self, turn: ChatTurn, result: EngineResult) -> tuple[dict, str]:
         """The reply: the engine's native tool calls, or the model's text read by the parser the loop uses
-        (``toolcalls.assistant_message``)."""
+        (``toolcalls.assistant_message``); ``parallel_tool_calls: false`` keeps the first call only."""
         names = turn.req.tool_names()
         if names and result.tool_calls:
-            return {"role": "assistant", "content": None, "tool_calls": result.tool_calls}, "tool_calls"
-        message = assistant_message(
-            result.text, names, turn.served.harness.tool_call_format, seed_text=turn.cid
-        )
+            message = {"role": "assistant", "content": None, "tool_calls": result.tool_calls}
+        else:
+            message = assistant_message(
+                result.text, names, turn.served.harness.tool_call_format, seed_text=turn.cid
+            )
+        if turn.req.parallel_tool_calls is False and len(message.get("tool_calls") or []) > 1:
+            message = {**message, "tool_calls": message["tool_calls"][:1]}
         return message, "tool_calls" if message.get("tool_calls") else result.finish_reason
 
     async def complete_turn(
@@ -340,6 +343,45 @@ class ServerState:
         message, finish = self.answer_message(turn, result)
         await self.finish_turn(turn, message, result)  # durable before the client gets it
         return message, finish, result
+
+    def produce(self, turn: ChatTurn, queue: Any) -> asyncio.Task:
+        """Decode and record ``turn`` in its own tracked task (a client that leaves mid-stream still leaves its
+        turn in the experience); text deltas, then the reply ``(message, finish, result)`` or the exception, go
+        to ``queue.put_nowait``."""
+
+        async def produce() -> None:
+            try:
+                queue.put_nowait(await self.complete_turn(turn, queue.put_nowait))
+            except Exception as exc:
+                log.exception("stream %s failed", turn.cid)
+                queue.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(produce())
+        self.track(cid_key(turn.cid, "stream"), task)
+        return task
+
+    async def answer(self, turn: ChatTurn, request: Any) -> tuple[dict, str, EngineResult]:
+        """A non-streamed turn's ``(message, finish, result)`` (``answer_all`` of one)."""
+        return (await self.answer_all([turn], request))[0]
+
+    async def answer_all(self, turns: list[ChatTurn], request: Any) -> list[tuple[dict, str, EngineResult]]:
+        """Decode and record ``turns`` (one request's choices, sharing an abort) in tracked tasks while watching
+        ``request`` for a disconnect; 504 (``timeout_error``) when they are not done at the request timeout."""
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, turns[0].abort))
+        tasks = []
+        for turn in turns:
+            tasks.append(asyncio.get_running_loop().create_task(self.complete_turn(turn)))
+            self.track(cid_key(turn.cid, "turn"), tasks[-1])
+        try:
+            await asyncio.wait(tasks, timeout=self.time_left(turns[0]))
+        finally:
+            watcher.cancel()
+        if not all(task.done() for task in tasks):
+            raise self.timeout_error()
+        replies = [task.result() for task in tasks]
+        if any(result.finish_reason == "timeout" for _m, _f, result in replies):
+            raise self.timeout_error()
+        return replies
 
     def time_left(self, turn: ChatTurn) -> float | None:
         """Seconds the client still waits for ``turn`` (None: no timeout). Past the timeout it gets 504
@@ -419,54 +461,16 @@ class ServerState:
     def trace_row(
         self, turn: ChatTurn, message: dict, result: EngineResult, latency_ms: float, summary: str
     ) -> TraceRow:
-        """The turn's experience row (``recorder.served_trace_row``)."""
-        served, decision, messages, cid = turn.served, turn.decision, turn.messages, turn.cid
-        stopped = result.finish_reason in STOPPED
-        routes, summaries = [], {}
-        for i, m in enumerate(messages):
-            rec = self.memory.lookup(m) if m.get("role") == "assistant" else None
-            if rec is not None:
-                routes.append(
-                    {"turn": i, "specialist": rec.specialist, "reason": "earlier turn", "scores": {}}
-                )
-                summaries[str(i)] = rec.summary
-        routes.append(decision.as_route(len(messages)))
-        summaries[str(len(messages))] = summary
-        client = turn.req.metadata or {}
-        metadata = {
-            # what the client said it knows about the turn (the expected answer, tests, a schema...): the
-            # contract's scorers read it only when the client may certify; otherwise it is kept apart as
-            # `claimed` (shown, never scored). The server's own fields below always win.
-            **(client if turn.principal.may("certify") else {"claimed": client} if client else {}),
-            "specialist": decision.specialist,
-            "generation": served.number,
-            "latency_ms": latency_ms,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "route_reason": decision.reason,
-            "route_method": decision.method,
-            "route_scores": decision.scores,
-            "finish_reason": result.finish_reason,
-            "model": turn.req.model,
-            "engine": self.config.engine,
-            "summaries": summaries,
-        }
-        names = getattr(served.engine, "model_names", None)
-        if names:
-            metadata["engine_model"] = names.get(decision.specialist)
-        if stopped:
-            metadata["stopped"] = STOPPED[result.finish_reason].format(self.config.request_timeout_s)
-        row = served_trace_row(
-            messages=[*messages, message],
-            metadata=metadata,
-            routes=routes,
-            specialist=decision.specialist,
-            completion_id=cid,
-            generation_id=served.generation_id,
-            harness_version_id=served.harness_version_id,
-            principal=turn.principal.name,
+        """The turn's experience row (``traces.trace_row``)."""
+        return trace_row(
+            turn,
+            message,
+            result,
+            latency_ms=latency_ms,
+            summary=summary,
+            memory=self.memory,
+            config=self.config,
         )
-        return row
 
     async def _summarize(self, served: Served, ereq: EngineRequest, message: dict) -> str:
         budget = (served.engine.context_limit or 10**9) - self.config.summary_tokens
@@ -477,6 +481,10 @@ class ServerState:
             return ""
         r = await complete(served.engine, EngineRequest(ereq.specialist, prompt, self.config.summary_tokens))
         return " ".join(r.text.split())
+
+
+def cid_key(cid: str, what: str) -> str:
+    return f"{cid}:{what}"
 
 
 def spool_dir(config: ServeConfig) -> Path:

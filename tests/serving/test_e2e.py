@@ -118,7 +118,7 @@ def test_promotion_is_picked_up_live_and_shutdown_flushes(registry, tiny_artifac
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
         msg = [{"role": "user", "content": "hello"}]
         before = client.chat.completions.create(model="ratchet", messages=msg, max_tokens=3)
-        assert before.metadata == {**before.metadata, "generation": 0, "specialist": "chat"}
+        assert before.metadata == {**before.metadata, "generation": "0", "specialist": "chat"}
         from pipeline.registry import get_engine, get_generation, session_scope, set_generation_status
 
         number = register_generation(
@@ -136,11 +136,11 @@ def test_promotion_is_picked_up_live_and_shutdown_flushes(registry, tiny_artifac
                 gen = get_generation(session=s, number=number)
                 set_generation_status(session=s, generation=gen, status="promoted")
             seen = {f.result()["generation"] for f in inflight}  # every one answered, none dropped
-        assert seen <= {0, 1}
+        assert seen <= {"0", "1"}
         deadline = time.monotonic() + 30
         while (
             client.chat.completions.create(model="ratchet", messages=msg, max_tokens=3).metadata["generation"]
-            != 1
+            != "1"
         ):
             assert time.monotonic() < deadline, "promotion not picked up"
             time.sleep(0.1)

@@ -88,14 +88,14 @@ def test_a_promotion_is_loaded_into_the_external_engine_first(
         )
         with ServerThread(front_app) as front:
             before = ask(front.url)
-            assert {r.metadata["generation"] for r in before} == {0}
+            assert {r.metadata["generation"] for r in before} == {"0"}
 
             register_generation(registry, {**tiny_artifacts, "adapters": next_adapters})  # promoted
             switched = httpx.post(front.url + "/admin/reload", headers=ADMIN).json()
             assert switched == {"generation": 1, "previous": 0, "switched": True}
             assert {f"{s}-g1" for s in SPECIALISTS} <= models(engine.url)  # the engine got the load calls
             after = ask(front.url)
-            assert {r.metadata["generation"] for r in after} == {1}
+            assert {r.metadata["generation"] for r in after} == {"1"}
             with ServerThread(create_app(config(registry))) as embedded:  # generation 1, all in process
                 reference = ask(embedded.url)
             texts = [r.choices[0].message.content for r in after]
@@ -117,7 +117,7 @@ def test_a_promotion_is_loaded_into_the_external_engine_first(
             [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
             assert "not switching to generation 2" in line and "still serving 1" in line
             assert not any(m.endswith("-g2") for m in models(engine.url))  # the partial load was undone
-            assert {r.metadata["generation"] for r in ask(front.url, PROMPTS[:1])} == {1}
+            assert {r.metadata["generation"] for r in ask(front.url, PROMPTS[:1])} == {"1"}
             front_app.state.ratchet.recorder.flush()
     rows = [e for e in experience_rows(registry) if e.meta["engine"] == "external"]
     served_models = {e.meta["generation"]: set() for e in rows}
@@ -209,7 +209,7 @@ def test_a_name_that_would_keep_serving_old_weights_is_not_switched_to(
             register_generation(registry, {**tiny_artifacts, "adapters": next_adapters})
             r = httpx.post(front.url + "/admin/reload", headers=ADMIN).json()
             assert r["switched"] is False and "put {generation} in --engine-model" in r["error"]
-            assert {a.metadata["generation"] for a in ask(front.url, PROMPTS[:1])} == {0}
+            assert {a.metadata["generation"] for a in ask(front.url, PROMPTS[:1])} == {"0"}
 
 
 def _load(url, name, path, **extra):

@@ -72,7 +72,9 @@ def _bad(client, body=None, *, raw=None, status=400, code=None, param=None):
         (None, {**OK, "max_tokens": "10"}, 400, None, "max_tokens"),
         (None, {**OK, "max_tokens": 0}, 400, None, "max_tokens"),
         (None, {**OK, "stream": "yes"}, 400, None, "stream"),
-        (None, {**OK, "n": 3}, 400, None, "n"),
+        (None, {**OK, "n": 9}, 400, None, "n"),
+        (None, {**OK, "logit_bias": {"1": 5}}, 400, None, "logit_bias"),
+        (None, {**OK, "tool_choice": "sometimes"}, 400, None, "tool_choice"),
         (None, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, None, "stop"),
         (None, {**OK, "messages": "hello"}, 400, None, "messages"),
         (None, {**OK, "messages": [{"role": "wizard", "content": "x"}]}, 400, None, None),
@@ -109,7 +111,7 @@ def test_models_and_response_metadata(client):
     )
     body = r.json()
     assert r.headers["x-ratchet-specialist"] == "agent" == body["metadata"]["specialist"]
-    assert body["metadata"]["generation"] == 0 and "strong signal" in body["metadata"]["route_reason"]
+    assert body["metadata"]["generation"] == "0" and "strong signal" in body["metadata"]["route_reason"]
     assert "/" not in str(body["metadata"]) and "adapter" not in str(body).lower()  # no paths exposed
     assert (
         body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]

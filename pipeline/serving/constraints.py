@@ -1,0 +1,80 @@
+"""What a chat request constrains its decoding to: a grammar (``response_format``, ``tool_choice``), token
+logprobs, and the raw parameters an external engine enforces itself.
+
+- ``response_format`` ``json_schema`` / ``json_object``: the reply is JSON valid under the schema / a JSON
+  object (``pipeline.modeling.grammar``); ``text`` or none: free text.
+- ``tool_choice`` ``required`` (a call of any offered tool) or named (a call of that tool): the reply is
+  exactly the call text the harness's ``tool_call_format`` renders, so the server's parser reads it back;
+  ``parallel_tool_calls: false`` allows one call. This wins over ``response_format`` (a forced call has no
+  text answer); with tools under ``tool_choice`` ``auto`` and a ``response_format`` the reply is a call or
+  JSON in the format where the grammar library offers that union (``UNION``), else it follows the format.
+- ``--engine external``: no grammar is compiled here; the client's parameters are passed through unchanged
+  (``EngineRequest.passthrough``) for the engine (vLLM, SGLang) to enforce.
+
+A schema the grammar library cannot compile is the client's 400 naming the parameter, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+from pipeline.modeling.grammar import (
+    GrammarError,
+    GrammarSpec,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from pipeline.serving.protocol import ApiError, ChatRequest
+
+# whether the grammar library can say "a tool call, or JSON in the response format" (asked of helper grammar)
+UNION = {"or_schema", "or_object"} <= set(inspect.signature(tool_call_grammar).parameters)
+
+
+def request_grammar(req: ChatRequest, *, fmt: str) -> GrammarSpec | None:
+    """The grammar ``req`` asks for (None: unconstrained); ``fmt`` is the harness's ``tool_call_format``.
+    Raises ``GrammarError`` for a schema over the library's limits."""
+    forced = req.forced_tools()
+    parallel = req.parallel_tool_calls is not False
+    if forced:
+        tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in forced]
+        return tool_call_grammar(tools, fmt=fmt, parallel=parallel)
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if req.tool_names() and UNION:  # tools under auto: a call, or the format's JSON
+        tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools or []]
+        if rf.type == "json_object":
+            return tool_call_grammar(tools, fmt=fmt, parallel=parallel, or_object=True)
+        assert rf.json_schema is not None
+        return tool_call_grammar(tools, fmt=fmt, parallel=parallel, or_schema=rf.json_schema.schema_)
+    if rf.type == "json_object":
+        return json_object_grammar()
+    assert rf.json_schema is not None  # ResponseFormat's validator
+    return json_schema_grammar(rf.json_schema.schema_)
+
+
+async def checked_grammar(req: ChatRequest, engine: Any, *, fmt: str) -> GrammarSpec | None:
+    """``request_grammar``, compiled for ``engine`` (cached by the engine) off the event loop; a schema the
+    library refuses is the client's 400 naming its parameter (``tools`` for a forced call's, else
+    ``response_format``)."""
+    param = "tools" if req.forced_tools() else "response_format"
+    try:
+        spec = request_grammar(req, fmt=fmt)
+        check = getattr(engine, "check_grammar", None)
+        if spec is not None and check is not None:
+            if inspect.iscoroutinefunction(check):
+                await check(spec)
+            else:
+                await asyncio.to_thread(check, spec)
+    except GrammarError as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ApiError(400, f"{param}: {said}", param=param) from None
+    return spec
+
+
+def logprobs_wanted(req: ChatRequest) -> int | None:
+    """``EngineRequest.logprobs``: None (none), 0 (the chosen token's) or k (and the top k)."""
+    return (req.top_logprobs or 0) if req.logprobs else None
