@@ -8,9 +8,14 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.app import app
-from pipeline.errors import RatchetError
+from pipeline.errors import NotFoundError, RatchetError
 from pipeline.experience.ingest import ingest_file
 from pipeline.experience.principals import OPERATOR
+from pipeline.experience.sources.intake import import_turns
+from pipeline.experience.sources.langfusetraces import langfuse_turns
+from pipeline.experience.sources.mlflowtraces import mlflow_turns
+from pipeline.experience.sources.otlpspans import otlp_turns
+from pipeline.experience.sources.storedcompletions import stored_completion_turns
 from pipeline.loop.founding import init_lineage
 from pipeline.registry import (
     current_revision,
@@ -96,9 +101,54 @@ def init(
     typer.echo(result.describe())
 
 
+FORMATS = ("jsonl", "mlflow", "otel", "langfuse", "openai")
+
+
+def _turns(
+    fmt: str,
+    path: Path | None,
+    *,
+    experiment: str | None,
+    filter_string: str | None,
+    tracking_uri: str | None,
+):  # noqa: ANN202 - an iterator of intake.Turn
+    if fmt == "mlflow":
+        return mlflow_turns(experiment or "", filter_string=filter_string, tracking_uri=tracking_uri)
+    assert path is not None
+    return {"otel": otlp_turns, "langfuse": langfuse_turns, "openai": stored_completion_turns}[fmt](path)
+
+
 @app.command("ingest")
 def ingest(
-    files: Annotated[list[Path], typer.Argument(help="JSONL files, one trace per line.")],
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Files to read: JSONL traces (--from jsonl), an OTLP JSON file (otel), a Langfuse trace export "
+            "(langfuse), OpenAI stored completions as JSONL (openai). None with --from mlflow."
+        ),
+    ] = None,
+    from_: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="What the traces are: jsonl (Ratchet's own, one trace per line), mlflow (MLflow Tracing: "
+            "--experiment), otel (OTLP JSON spans with the GenAI semantic conventions), langfuse (a Langfuse "
+            "trace export with its scores) or openai (stored chat completions with their messages).",
+        ),
+    ] = "jsonl",
+    experiment: Annotated[
+        str | None, typer.Option(help="--from mlflow: the MLflow experiment's name or id.")
+    ] = None,
+    filter_: Annotated[
+        str | None,
+        typer.Option("--filter", help="--from mlflow: an MLflow search_traces filter string."),
+    ] = None,
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            help="--from mlflow: the MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the home's)."
+        ),
+    ] = None,
     source: Annotated[str, typer.Option(help="deployment, simulation, import or evaluation.")] = "import",
     generation: Annotated[
         int | None, typer.Option(help="Generation that served these traces (default: the champion).")
@@ -109,14 +159,37 @@ def ingest(
         str,
         typer.Option(
             help="Whose traces these are: `operator` (your own) or the outside party they came from, whose "
-            "share of a dataset the contract caps (selection.max_share_per_principal)."
+            "share of a dataset the contract caps (selection.max_share_per_principal). With --from mlflow, "
+            "otel, langfuse or openai, the ratings, corrections and expectations found count only as this "
+            "principal may make them count (operator: all; a key's name: the key's scopes; else none)."
         ),
     ] = OPERATOR,
 ) -> None:
     """Stream traces into the registry; malformed lines are quarantined with their line number and reason.
-    Ingest is the operator's trusted path: the traces' metadata, ratings and corrections count as given."""
+    Ingest is the operator's trusted path: the traces' metadata, ratings and corrections count as given.
+
+    --from mlflow, otel, langfuse or openai reads what other systems logged:
+    one turn per chat call, with its tools and its conversation. Importing the
+    same traces twice adds nothing; a record that cannot be read is quarantined
+    with its reason. Their ratings, corrections and expectations count only as
+    --principal may make them count."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+    if from_ not in FORMATS:
+        raise RatchetError(f"--from {from_!r}: expected one of {', '.join(FORMATS)}")
+    files = files or []
+    if from_ == "mlflow":
+        if files:
+            raise RatchetError("--from mlflow reads an experiment (--experiment NAME|ID), not files")
+        if not experiment:
+            raise RatchetError("--from mlflow needs --experiment NAME|ID")
+    elif experiment is not None or filter_ is not None or tracking_uri is not None:
+        raise RatchetError("--experiment, --filter and --tracking-uri go with --from mlflow")
+    elif not files:
+        other = " (or --from mlflow --experiment NAME|ID)" if from_ == "jsonl" else ""
+        raise RatchetError(f"--from {from_} needs at least one file{other}")
+    if from_ == "mlflow" and tracking_uri is None:
+        tracking_uri = _settings().tracking_uri
     engine = get_engine()
     gen_id = harness_id = None
     with session_scope(engine) as session:
@@ -128,6 +201,30 @@ def ingest(
         if gen is not None:
             gen_id, harness_id = gen.id, gen.harness_version_id
     failed = False
+    if from_ != "jsonl":
+        for path in files or [None]:
+            if path is not None and not path.is_file():
+                raise NotFoundError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}")
+            label = f"mlflow:{experiment}" if path is None else str(path)
+            turns = _turns(
+                from_, path, experiment=experiment, filter_string=filter_, tracking_uri=tracking_uri
+            )
+            result = import_turns(
+                turns,
+                label=label,
+                session_factory=lambda: session_scope(engine),
+                source=source,
+                principal=principal,
+                generation_id=gen_id,
+                harness_version_id=harness_id,
+                batch_size=batch_size,
+            )
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(result.reasons.items()))
+            typer.echo(
+                f"{label}: {result.lines} turns: {result.stored} stored, {result.duplicate} duplicate, "
+                f"{result.quarantined} quarantined" + (f" ({reasons})" if reasons else "")
+            )
+        return
     for path in files:
         with Progress(
             "[progress.description]{task.description}",

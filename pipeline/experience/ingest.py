@@ -212,7 +212,16 @@ def _nesting(obj: Any) -> int:
 
 
 def parse_line(raw: bytes) -> dict[str, Any]:
-    """Decode and validate one JSONL line; raise ``TraceError`` with the quarantine reason.
+    """Decode and validate one JSONL line; raise ``TraceError`` with the quarantine reason."""
+    obj = decode_json(raw)
+    try:
+        return validate_trace(obj)
+    except TraceError as exc:
+        raise TraceError(f"wrong shape: {exc}") from None
+
+
+def decode_json(raw: bytes) -> Any:
+    """Decode one untrusted JSON text (a line, a record); raise ``TraceError`` with the quarantine reason.
 
     Exact: an integer beyond 64 bits (which orjson would round to a float) is read by the standard parser.
     """
@@ -235,10 +244,7 @@ def parse_line(raw: bytes) -> dict[str, Any]:
             obj = json.loads(raw.decode("utf-8"))
         except ValueError as exc:  # Python's limit on an integer's digits
             raise TraceError(f"number too large: {str(exc).split(':')[0]}") from None
-    try:
-        return validate_trace(obj)
-    except TraceError as exc:
-        raise TraceError(f"wrong shape: {exc}") from None
+    return obj
 
 
 def _dumps(value: Any) -> bytes:
@@ -341,7 +347,8 @@ def iter_lines(
             yield number, line, None, None
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
+    """What a quarantine reason is counted under in a summary: its text before the first ``:`` or `` (``."""
     return reason.split(":", 1)[0].split(" (", 1)[0]
 
 
@@ -352,7 +359,7 @@ def quarantine_text(raw: bytes | None) -> str:
     return (raw or b"")[:RAW_KEEP].decode("utf-8", errors="replace").replace("\x00", "\\u0000")
 
 
-def _already_quarantined(earlier: tuple[Any, Any], number: int, digest: str) -> bool:
+def already_quarantined(earlier: tuple[Any, Any], number: int, digest: str) -> bool:
     """Whether this file's line ``number`` with this content is in quarantine already (a line quarantined
     before its hash was kept matches any content at its number, as before)."""
     numbers, keys = earlier
@@ -449,10 +456,10 @@ def ingest_file(
                     rows.append(row)
         if problem is not None:
             result.quarantined += 1
-            kind = _reason_kind(problem)
+            kind = reason_kind(problem)
             result.reasons[kind] = result.reasons.get(kind, 0) + 1
             digest = digest or hashlib.sha256(raw or b"").hexdigest()
-            if not _already_quarantined(earlier, number, digest):
+            if not already_quarantined(earlier, number, digest):
                 reason = problem if len(problem) <= REASON_KEEP else problem[: REASON_KEEP - 3] + "..."
                 bad.append((number, reason, quarantine_text(raw), digest))
         if len(rows) >= batch_size or len(bad) >= batch_size:
