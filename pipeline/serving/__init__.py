@@ -7,8 +7,11 @@ views, turn memory, summaries), ``runtime`` (checked adapter loading, batched mi
 safetensors header), ``mixlora`` (fast per-row LoRA), ``scheduler``
 (async micro-batching), ``engines`` (embedded / external OpenAI-compatible), ``limits`` (body size,
 admission, disconnects), ``served`` (``ServeConfig``, loading a generation), ``turns`` (route -> answer ->
-summary -> record), ``recorder`` (experience writer), ``protocol`` (OpenAI wire format), ``server``
-(``create_app``), ``adapter_app`` (the embedded engine as a multi-LoRA OpenAI server).
+summary -> record), ``traces`` (a turn and its experience row), ``recorder`` (experience writer),
+``protocol`` (OpenAI wire format), ``constraints`` (a request's grammar: response formats, forced tool calls),
+``completions`` (chat completion bodies, chunks, logprobs, token ids), ``responses`` (OpenAI's Responses API
+routes; ``responseitems``: its requests, ``responseobjects``: its Response object and stream events),
+``server`` (``create_app``), ``adapter_app`` (the embedded engine as a multi-LoRA OpenAI server).
 
 Importing the package is torch-free; torch / transformers / peft / fastapi load in the modules that use them.
 """
