@@ -17,6 +17,13 @@ Every drop is also counted by the principal whose row it was (``Drops.principals
 
 The validation slice of a specialist without a task source (``eligibility.in_validation_slice``) is never
 trained on.
+
+A reply the server decoded was stored with the exact ids it was given and wrote (``Experience.served_tokens``,
+by the message's index). A row keeps them (``served_tokens``; a preference row's other side
+``rejected_served_tokens``: ``documents.ServedTokens`` as JSON text, empty when none) only when the reply it
+trains on is that served message itself, not a user's correction in its place (``served_entry``); the
+training job uses them when its tokenizer is the one that served them (``packing.encode_reply``), and they
+are part of what the dataset's hash covers.
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ from pipeline.experience.toolcalls import normalize_tool_calls, tools_problem
 from pipeline.loop.candidate import artifacts_for, contract_of, load_generation, mark_step
 from pipeline.modeling.pair import offered_tools
 from pipeline.modeling.prompting import render_messages
-from pipeline.registry import DatasetExample, TrainingDataset, get_engine, session_scope
-from pipeline.registry.documents import CurateOutcome
+from pipeline.registry import DatasetExample, Experience, TrainingDataset, get_engine, session_scope
+from pipeline.registry.documents import CurateOutcome, ServedTokens
 from pipeline.serving.views import recorded_writer
 from pipeline.specs.contract import ContractSpec
 from pipeline.specs.harness import HarnessSpec
@@ -53,6 +60,8 @@ from pipeline.specs.modelspec import ModelSpec
 from pipeline.training.artifacts import stored_dataset_sha256
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
     from pipeline.loop.candidate import AdvanceConfig, Progress
     from pipeline.specs.heldout import HeldoutIndex
 
@@ -177,23 +186,91 @@ def select_examples(
     return result
 
 
+def _served_text(served: dict[str, Any] | None) -> str:
+    return json.dumps(served, sort_keys=True, separators=(",", ":")) if served else ""
+
+
 def dataset_row(example: dict[str, Any]) -> dict[str, Any]:
-    """The dataset row of an example. Tools: the schemas the chat template was given (JSON text: one column
-    type for every row)."""
+    """The dataset row of an example. Tools: the schemas the chat template was given; served tokens: the ids
+    its reply was served with (``served_entry``; empty: none) -- JSON text both, one column type for every
+    row."""
     e = example
     row = {
         "messages": e["messages"],
         "score": e["score"],
         "experience_id": e["experience_id"],
         "tools": json.dumps(e.get("tools") or [], separators=(",", ":")),
+        "served_tokens": _served_text(e.get("served_tokens")),
     }
     if "rejected" in e:
         row |= {
             "rejected": e["rejected"],
             "rejected_score": e["rejected_score"],
             "rejected_experience_id": e["rejected_experience_id"],
+            "rejected_served_tokens": _served_text(e.get("rejected_served_tokens")),
         }
     return row
+
+
+def _final_reply(messages: list[dict[str, Any]]) -> int | None:
+    return max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+
+
+def _reply_body(message: dict[str, Any]) -> tuple[Any, Any]:
+    normal = normalize_tool_calls([message])[0]
+    return normal.get("content"), normal.get("tool_calls") or None
+
+
+def served_entry(
+    reply_from: list[dict[str, Any]], source: Candidate | None, served: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The served ids (``documents.ServedTokens``, as JSON data) of ``reply_from``'s final assistant turn:
+    those ``served`` (the source trace's ``served_tokens`` column) holds for the source's final assistant
+    message, when that message is the reply trained on -- the same content and tool calls, not a
+    correction written in its place. None otherwise, or when the stored entry is unreadable."""
+    if source is None or not served:
+        return None
+    mine, theirs = _final_reply(reply_from), _final_reply(source.messages)
+    if mine is None or theirs is None or str(theirs) not in served:
+        return None
+    if _reply_body(reply_from[mine]) != _reply_body(source.messages[theirs]):
+        return None  # a correction (or an edit) replaced the reply the server decoded
+    try:
+        return ServedTokens.read(served[str(theirs)]).model_dump(mode="json")
+    except ValueError as exc:  # pydantic's ValidationError: stored data this version cannot read
+        log.warning("trace %s: its served token ids are unreadable, re-rendered: %s", source.experience_id,
+                    _first_line(exc))  # fmt: skip
+        return None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def served_tokens_by_trace(
+    session: Session, ids: list[int], *, heldout: HeldoutIndex | None = None
+) -> dict[int, dict[str, Any]]:
+    """The ``served_tokens`` column of the traces ``ids`` that have one (trace id -> entries by index).
+    The served prompt holds the client's tools (``Experience.tools``) as the model was given them, which a
+    re-rendering never shows: a trace whose tools hold a held-out text (``heldout``) keeps no served ids."""
+    from sqlalchemy import select
+
+    found: dict[int, dict[str, Any]] = {}
+    unique = sorted(set(ids))
+    for start in range(0, len(unique), 500):  # SQLite's bound-parameter limit
+        chunk = unique[start : start + 500]
+        query = select(Experience.id, Experience.served_tokens, Experience.tools).where(
+            Experience.id.in_(chunk), Experience.served_tokens.is_not(None)
+        )
+        for trace_id, served, tools in session.execute(query):
+            if not isinstance(served, dict) or not served:
+                continue
+            why = heldout.exclusion(messages=[], metadata={"tools": tools}) if heldout and tools else None
+            if why is not None:
+                log.warning("trace %s: its served prompt %s; re-rendered without it", trace_id, why)
+                continue
+            found[trace_id] = served
+    return found
 
 
 UNRENDERABLE = "cannot be rendered"
@@ -208,12 +285,15 @@ def training_rows(
     specialist: str,
     sources: dict[int, Candidate],
     dropped: Drops,
+    served: dict[int, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """``examples`` as the model sees them under the harness, as the server shows them (the context rendered,
     nothing after the reply, tool-call arguments as JSON text, the harness's tools where the trace names
-    none). A row that cannot be rendered (``UNRENDERABLE``), names malformed tools (``BAD_TOOLS``) or cannot
-    be stored in one dataset beside the rows before it (``UNSTORABLE``, ``unstorable``) is left out and
-    counted in ``dropped``: one row never stops a generation."""
+    none), each reply with the ids it was served with where it is the served message (``served``: the
+    traces' ``served_tokens`` columns by trace id; ``served_entry``). A row that cannot be rendered
+    (``UNRENDERABLE``), names malformed tools (``BAD_TOOLS``) or cannot be stored in one dataset beside the
+    rows before it (``UNSTORABLE``, ``unstorable``) is left out and counted in ``dropped``: one row never
+    stops a generation."""
 
     offered = offered_tools(harness, specialist)
     kept: list[dict[str, Any]] = []
@@ -223,6 +303,11 @@ def training_rows(
         if tools_problem(ex.get("tools")):
             dropped.add(specialist, BAD_TOOLS, principal=principal)
             continue
+        served_of = (served or {}).get
+        ex["served_tokens"] = served_entry(ex["messages"], source, served_of(ex["experience_id"]))
+        if "rejected" in ex:
+            other = ex.get("rejected_experience_id")
+            ex["rejected_served_tokens"] = served_entry(ex["rejected"], sources.get(other), served_of(other))
         messages = normalize_tool_calls(ex["messages"])
         last = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
         context, answer = messages[:last], messages[last]  # nothing after the reply
@@ -322,6 +407,15 @@ def curate_step(
         dropped.merge(paired.dropped)
         rows_of.update(paired.pairs)
     by_id = {c.experience_id: c for c in [*candidates, *pair_candidates]}
+    wanted = [
+        int(ex[key])
+        for rows in rows_of.values()
+        for ex in rows
+        for key in ("experience_id", "rejected_experience_id")
+        if ex.get(key) is not None
+    ]
+    with session_scope(engine) as session:
+        served = served_tokens_by_trace(session, wanted, heldout=index)
     out_dir = artifacts_for(config.lineage, number) / "datasets"
     datasets: dict[str, Any] = {}
     # The dataset files are written outside any transaction and their rows committed in one short one after:
@@ -339,6 +433,7 @@ def curate_step(
             specialist=specialist,
             sources=by_id,
             dropped=dropped,
+            served=served,
         )
         if len(examples) < config.min_examples:
             datasets[specialist] = {

@@ -11,16 +11,87 @@ positions restarting at 0 for each example and NO attention mask: transformers (
 derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
 so packed examples never attend to each other, with sdpa or eager attention, on CPU too. The first token of
 every example is a prompt token (label -100), so no loss crosses an example boundary.
+
+Served ids (``encode_reply``): a reply the server decoded was stored with exactly the ids the model was given
+and wrote (``registry.documents.ServedTokens``). Re-rendering the stored text can give other ids (BPE has
+many segmentations of one string and the model may sample a non-canonical one; a harness may render the
+conversation differently from its stored messages): the retokenization drift of multi-turn RL. So an
+example whose reply was served by this very tokenizer (``templating.tokenizer_fingerprint``) and fits
+``max_len`` is ``prompt_ids + completion_ids``, labels exactly on ``completion_ids`` (the end token it
+stopped on included); any other is re-rendered by ``encode_chat`` (its oldest turns may then be cut).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from pipeline.modeling.templating import IGNORE, encode_chat, encode_prompt, model_messages, render_prompt
+from pipeline.modeling.templating import (
+    IGNORE,
+    encode_chat,
+    encode_prompt,
+    model_messages,
+    render_prompt,
+    tokenizer_fingerprint,
+)
 
-__all__ = ["IGNORE", "encode_chat", "encode_prompt", "model_messages", "pack_examples", "packed_tensors",
-           "render_prompt"]  # fmt: skip
+__all__ = ["IGNORE", "RERENDERED", "SERVED", "encode_chat", "encode_prompt", "encode_reply", "model_messages",
+           "pack_examples", "packed_tensors", "render_prompt", "served_example"]  # fmt: skip
+
+SERVED = "served"  # an example on the ids the model was served
+RERENDERED = "re-rendered"  # an example rendered from its messages (no served ids, or unusable ones)
+OTHER_TOKENIZER = "other tokenizer"  # served ids unused: another tokenizer (or chat template) served them
+SERVED_TOO_LONG = "served ids over max_seq_len"  # served ids unused: prompt and reply do not fit
+BAD_IDS = "served ids unreadable"  # served ids unused: not ids, none, or an id outside the vocabulary
+
+
+def _ids(value: Any, size: int) -> list[int] | None:
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(type(i) is int and 0 <= i < size for i in value):
+        return None
+    return value
+
+
+def served_example(
+    tokenizer: Any, served: Mapping[str, Any] | None, max_len: int
+) -> tuple[tuple[list[int], list[int]] | None, str | None]:
+    """``((ids, labels), None)``: the served ``prompt_ids`` then ``completion_ids``, labels exactly on the
+    completion; or ``(None, why)`` when they cannot stand for the reply (``OTHER_TOKENIZER``,
+    ``SERVED_TOO_LONG``, ``BAD_IDS``; ``why`` None: nothing was served)."""
+    if not served:
+        return None, None
+    if not isinstance(served.get("tokenizer"), str):
+        return None, BAD_IDS
+    if served["tokenizer"] != tokenizer_fingerprint(tokenizer):
+        return None, OTHER_TOKENIZER
+    size = len(tokenizer)
+    prompt, completion = _ids(served.get("prompt_ids"), size), _ids(served.get("completion_ids"), size)
+    if prompt is None or completion is None:  # a prompt token first: no loss crosses an example boundary
+        return None, BAD_IDS
+    if len(prompt) + len(completion) > max_len:
+        return None, SERVED_TOO_LONG
+    return (prompt + completion, [IGNORE] * len(prompt) + completion), None
+
+
+def encode_reply(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    max_len: int,
+    *,
+    fmt: str = "compact",
+    tools: list[dict[str, Any]] | None = None,
+    served: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int], str]:
+    """``(ids, labels, how)``: the example of ``messages``' final assistant turn on the ids it was served
+    (``served_example``; ``how`` is ``SERVED``), else re-rendered by ``encode_chat`` (``how`` is
+    ``RERENDERED``, or ``"re-rendered: <why>"`` when served ids were there and could not be used). Raises as
+    ``encode_chat`` only when it re-renders."""
+    example, why = served_example(tokenizer, served, max_len)
+    if example is not None:
+        return example[0], example[1], SERVED
+    ids, labels = encode_chat(tokenizer, messages, max_len, fmt=fmt, tools=tools)
+    return ids, labels, RERENDERED if why is None else f"{RERENDERED}: {why}"
 
 
 def pack_examples(lengths: list[int], row_len: int) -> list[list[int]]:

@@ -134,6 +134,11 @@ class TrainedAdapter(Document):
     dropped: dict[str, int] = Field(
         default_factory=dict, description="Rows (examples, pairs, episodes) left out, by reason."
     )
+    token_ids: dict[str, int] = Field(
+        default_factory=dict,
+        description="Examples (DPO: each side) by where their ids came from: `served` (the ids the server "
+        "decoded), `re-rendered`, `re-rendered: <why>`.",
+    )
 
 
 class TrainOutcome(StepOutcome):

@@ -101,23 +101,36 @@ def conversations_sha256(conversations: Iterable[Any]) -> str:
     return digest.hexdigest()
 
 
+SERVED_COLUMNS = ("served_tokens", "rejected_served_tokens")  # each side's served ids (JSON text; "": none)
+
+
+def hashed_row(row: dict[str, Any]) -> Any:
+    """What of one training row its dataset's hash covers: its conversation (``messages``; a preference
+    row's ``[messages, rejected]``) and, when any side has them, the ids its replies were served with --
+    they are what is trained on. A row without served ids hashes as before they were stored."""
+    conversation = [row["messages"], row["rejected"]] if "rejected" in row else row["messages"]
+    served = [row.get(column) or "" for column in SERVED_COLUMNS if column in row]
+    if not any(served):
+        return conversation
+    return {"conversation": conversation, "served_tokens": served}
+
+
 def stored_dataset_sha256(dataset: Any) -> str:
     """The content hash of a stored training set: ``dataset`` is the directory ``save_to_disk`` wrote, or
-    the ``datasets.Dataset`` ``load_from_disk`` read from it. Its conversations are hashed as loaded (the
-    ``messages`` of each row; a preference set's ``[messages, rejected]``), so curation, which hashes what
-    it saved, and training, which hashes what it loaded, record the same value."""
+    the ``datasets.Dataset`` ``load_from_disk`` read from it. Its rows are hashed as loaded (``hashed_row``:
+    the conversations, and the served ids where there are any), so curation, which hashes what it saved,
+    and training, which hashes what it loaded, record the same value."""
     if isinstance(dataset, str | Path):
         from datasets import load_from_disk
 
         dataset = load_from_disk(str(dataset))
-    columns = ["messages", "rejected"] if "rejected" in dataset.column_names else ["messages"]
+    wanted = ["messages", "rejected", *SERVED_COLUMNS]
+    columns = [c for c in wanted if c in dataset.column_names]
 
     def rows() -> Iterator[Any]:
         for batch in dataset.select_columns(columns).iter(batch_size=1000):
-            if len(columns) == 1:
-                yield from batch["messages"]
-            else:
-                yield from ([m, r] for m, r in zip(batch["messages"], batch["rejected"], strict=True))
+            for values in zip(*(batch[c] for c in columns), strict=True):
+                yield hashed_row(dict(zip(columns, values, strict=True)))
 
     return conversations_sha256(rows())
 

@@ -48,6 +48,17 @@ def _front_matter(record: dict[str, Any]) -> str:
     return data.to_yaml()
 
 
+def _token_ids(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the trained ids came from (``TrainResult.token_ids``): the ids the server decoded, or a
+    re-rendering of the stored text; no row when the record does not say (GRPO, older adapters)."""
+    counts = record.get("token_ids")
+    if not isinstance(counts, dict) or not counts:
+        return []
+    served = sum(n for how, n in counts.items() if str(how).endswith("served"))
+    detail = ", ".join(f"{n} {how}" for how, n in sorted(counts.items()))
+    return [("Token ids", f"{served} of {sum(counts.values())} as served ({detail})")]
+
+
 def _facts(record: dict[str, Any]) -> list[tuple[str, str]]:
     size = next(
         (f"{record[k]} {k}" for k in ("examples", "pairs", "prompts") if record.get(k) is not None), None
@@ -69,6 +80,7 @@ def _facts(record: dict[str, Any]) -> list[tuple[str, str]]:
             + (f", {rows} rows" if rows is not None else "")
             + (f", {size} trained on" if size else ""),
         ),
+        *_token_ids(record),
         (
             "Parent",
             f"generation {parent}" if parent is not None else "-",

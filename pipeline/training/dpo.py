@@ -14,7 +14,8 @@ Why not TRL's ``DPOTrainer`` (``docs/methods.md``, *Training methods*): its chec
 and RNG state as pickles, which no training artifact of Ratchet is ever read through (``checkpoint``); and a
 pair must be rendered exactly as SFT and serving render it (``templating.encode_chat``: the harness's tool-call
 format, tool schemas to the template, non-prefix-stable templates), which this job shares with SFT instead
-of a second tokenisation path. The loss is the paper's and is checked against a direct computation in
+of a second tokenisation path -- and a side whose reply the server decoded with this tokenizer is not
+rendered at all: it is the ids served (``job.encode_row``, ``packing.encode_reply``), each side on its own. The loss is the paper's and is checked against a direct computation in
 ``tests/test_preference.py``.
 
 Batches are packed (chosen and rejected of every pair of the batch in one forward, no padding compute), each
@@ -26,7 +27,6 @@ one), and the adapter is saved atomically with ``lineage.json`` (``artifacts.sav
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import RatchetError
 from pipeline.modeling.placement import placement
-from pipeline.modeling.templating import IGNORE, encode_chat
+from pipeline.modeling.templating import IGNORE
 from pipeline.specs.loading import content_hash, weights_sha256
 from pipeline.training.artifacts import save_adapter, stored_dataset_sha256
 from pipeline.training.checkpoint import resume, save_checkpoint
@@ -48,10 +48,13 @@ from pipeline.training.job import (
     ROW_ERRORS,
     TrainResult,
     batch_indices,
+    count,
+    encode_row,
     finish,
     finished_before,
     git_describe,
     log_dropped,
+    log_token_ids,
     sequence_limit,
     skip_reason,
 )
@@ -66,6 +69,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REFERENCE_BATCH = 256  # pairs per reference forward (no gradients: memory is activations only)
+
+Example = tuple[list[int], list[int]]
+
+
+def encode_pairs(
+    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
+) -> tuple[list[tuple[Example, Example]], dict[str, int], dict[str, int]]:
+    """``(pairs, dropped, token_ids)``: each preference row's (chosen, rejected) ids and labels, each side
+    on the ids its reply was served with when this tokenizer served them, else re-rendered and cut to fit
+    on its own, never its reply (``job.encode_row``); the rows left out by reason (a side that cannot be
+    encoded, or with nothing to compare, drops the pair); and each side by where its ids came from
+    (``chosen served``, ``rejected re-rendered``, ...)."""
+    pairs: list[tuple[Example, Example]] = []
+    dropped: dict[str, int] = {}
+    token_ids: dict[str, int] = {}
+    for r in rows:
+        try:
+            *chosen, chosen_how = encode_row(tokenizer, r, max_len, fmt=fmt)
+            *rejected, rejected_how = encode_row(tokenizer, r, max_len, fmt=fmt, side="rejected")
+        except ROW_ERRORS as exc:  # the template refuses it, it does not fit, it rewrites the reply, ...
+            log.warning("%s: a pair is left out: %s", where, exc)
+            count(dropped, skip_reason(exc))
+            continue
+        if all(label == IGNORE for label in chosen[1]) or all(label == IGNORE for label in rejected[1]):
+            count(dropped, NO_TARGET)  # nothing to compare
+            continue
+        pairs.append(((chosen[0], chosen[1]), (rejected[0], rejected[1])))
+        count(token_ids, f"chosen {chosen_how}")
+        count(token_ids, f"rejected {rejected_how}")
+    return pairs, dropped, token_ids
 
 
 def train_dpo(
@@ -115,21 +148,8 @@ def train_dpo(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or base_model_dir)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     max_len = max_seq_len or sequence_limit(base_model_dir)
-    pairs, dropped = [], {}
-    for r in rows:
-        try:  # each side cut to fit on its own (never its reply); a side that cannot be encoded drops the pair
-            tools = json.loads(r.get("tools") or "[]") or None
-            chosen = encode_chat(tokenizer, r["messages"], max_len, fmt=tool_call_format, tools=tools)
-            rejected = encode_chat(tokenizer, r["rejected"], max_len, fmt=tool_call_format, tools=tools)
-        except ROW_ERRORS as exc:  # the template refuses it, it does not fit, it rewrites the reply, ...
-            log.warning("%s: a pair is left out: %s", dataset_dir, exc)
-            reason = skip_reason(exc)
-            dropped[reason] = dropped.get(reason, 0) + 1
-            continue
-        if all(label == IGNORE for label in chosen[1]) or all(label == IGNORE for label in rejected[1]):
-            dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1  # nothing to compare
-            continue
-        pairs.append((chosen, rejected))
+    pairs, dropped, token_ids = encode_pairs(tokenizer, rows, max_len, fmt=tool_call_format,
+                                             where=str(dataset_dir))  # fmt: skip
     if not pairs:
         raise RatchetError(
             f"{dataset_dir}: no preference pair has both replies to train on (left out, by reason: {dropped})"
@@ -200,6 +220,7 @@ def train_dpo(
                  "total_steps": total}
             )  # fmt: skip
             log_dropped(tracker, dropped)
+        log_token_ids(tracker, token_ids, str(dataset_dir))
         loss_value, started, step, tokens = float("nan"), time.perf_counter(), start, 0
         curve: list[tuple[int, float]] = []
         every = max(1, -(-total // LOSS_POINTS))
@@ -242,7 +263,7 @@ def train_dpo(
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
                                    len(pairs), seconds, run_id, completed=False, loss_curve=tuple(curve),
-                                   dropped=dropped)  # fmt: skip
+                                   dropped=dropped, token_ids=token_ids)  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -261,6 +282,7 @@ def train_dpo(
                 "steps": total,
                 "final_loss": loss_value,
                 "pairs": len(pairs),
+                "token_ids": token_ids,
             },
             tracker=tracker,
         )
@@ -279,5 +301,6 @@ def train_dpo(
         run_id,
         loss_curve=tuple(curve),
         dropped=dropped,
+        token_ids=token_ids,
     )
     return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)

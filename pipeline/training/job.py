@@ -4,7 +4,10 @@
 ``save_to_disk`` (rows with OpenAI-style ``messages``; loss on assistant tokens only). A successor
 continues its parent's adapter weights. A row the chat template refuses, or that does not fit
 ``max_seq_len`` even with its oldest turns cut, is left out and counted by reason (``encode_rows``,
-``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. Batches are packed (``pipeline.modeling.packing``): several examples
+``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. A row whose
+reply the server decoded with this tokenizer trains on exactly the ids served (its ``served_tokens`` column,
+``packing.encode_reply``); the others are re-rendered, and both are counted (``TrainResult.token_ids``, the
+run's ``token_ids_*`` metrics, ``lineage.json`` and the model card). Batches are packed (``pipeline.modeling.packing``): several examples
 share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
 other, so no compute goes to padding. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
 ``W x + scale * B (A x)`` with the same gradients, in fewer and larger matmuls),
@@ -39,14 +42,14 @@ from jinja2 import TemplateError
 
 from pipeline.errors import RatchetError
 from pipeline.experience.toolcalls import normalize_tool_calls
-from pipeline.modeling.packing import packed_tensors
+from pipeline.modeling.packing import SERVED, encode_reply, packed_tensors
 from pipeline.modeling.placement import placement
-from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped, encode_chat
+from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped
 from pipeline.shipped import DISTRIBUTION
 from pipeline.specs.loading import content_hash, weights_sha256
 from pipeline.specs.modelspec import ALL_LINEAR as ALL_LINEAR  # re-exported: pipeline.training.ALL_LINEAR
 from pipeline.specs.modelspec import LoraConfig, TrainDefaults
-from pipeline.training.artifacts import conversations_sha256, save_adapter, stored_dataset_sha256
+from pipeline.training.artifacts import conversations_sha256, hashed_row, save_adapter, stored_dataset_sha256
 from pipeline.training.checkpoint import discard, finished_result, record_finished, resume, save_checkpoint
 from pipeline.training.kernels import assistant_loss, merged_lora
 from pipeline.training.likelihood import optimizer, policy_model
@@ -119,6 +122,10 @@ class TrainResult:
     # rows (SFT examples, DPO pairs, GRPO episodes) left out, by reason (``templating``: the chat template
     # refuses the row, it does not fit max_seq_len even cut, the template rewrites the trained turn, ...)
     dropped: dict[str, int] = field(default_factory=dict)
+    # examples (DPO: each side, ``chosen ...`` / ``rejected ...``) by where their ids came from: ``served``
+    # (the ids the server decoded), ``re-rendered`` (no served ids), ``re-rendered: <why>`` (served ids
+    # another tokenizer wrote, too long, unreadable)
+    token_ids: dict[str, int] = field(default_factory=dict)
 
 
 LOSS_POINTS = 200
@@ -147,9 +154,10 @@ def git_describe(cwd: Path | None = None) -> str:
 
 
 def dataset_sha256(rows: list[dict[str, Any]]) -> str:
-    """Content hash of rows' conversations (independent of arrow file layout). A stored training set's hash
-    is ``artifacts.stored_dataset_sha256``: of its rows as loaded back, which Arrow may have filled in."""
-    return conversations_sha256(row["messages"] for row in rows)
+    """Content hash of rows' conversations and served ids (independent of arrow file layout). A stored
+    training set's hash is ``artifacts.stored_dataset_sha256``: of its rows as loaded back, which Arrow may
+    have filled in."""
+    return conversations_sha256(hashed_row(row) for row in rows)
 
 
 def write_dataset(traces: list[dict[str, Any]], dataset_dir: Path) -> str:
@@ -193,29 +201,92 @@ def skip_reason(exc: BaseException) -> str:
     return TEMPLATE_ERROR if isinstance(exc, TemplateError) else UNENCODABLE
 
 
+SERVED_COLUMNS = {"messages": "served_tokens", "rejected": "rejected_served_tokens"}  # a dataset's served ids
+
+
+def served_of(row: dict[str, Any], side: str = "messages") -> dict[str, Any] | None:
+    """The served ids of ``row``'s ``side`` (``SERVED_COLUMNS``: JSON text of ``documents.ServedTokens``,
+    written by curation; empty or absent: none). Text that is no JSON object reads as an object without a
+    tokenizer, which ``packing.served_example`` finds unreadable: the reply is re-rendered and counted."""
+    text = row.get(SERVED_COLUMNS[side]) or ""
+    if not text:
+        return None
+    try:
+        served = json.loads(text)
+    except ValueError:
+        served = None
+    return served if isinstance(served, dict) and served else {"unreadable": text}
+
+
+def encode_row(
+    tokenizer: Any, row: dict[str, Any], max_len: int, *, fmt: str, side: str = "messages"
+) -> tuple[list[int], list[int], str]:
+    """``(ids, labels, how)`` of one dataset row's conversation ``side``: on the ids it was served, else
+    re-rendered (``packing.encode_reply``; raises ``ROW_ERRORS`` as ``templating.encode_chat``)."""
+    tools = json.loads(row.get("tools") or "[]") or None
+    return encode_reply(tokenizer, row[side], max_len, fmt=fmt, tools=tools, served=served_of(row, side))
+
+
+def count(counts: dict[str, int], key: str) -> None:
+    """Add one to ``counts[key]``."""
+    counts[key] = counts.get(key, 0) + 1
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """A dataset's rows as examples: ``examples`` (ids, labels), the rows left out by reason (``dropped``)
+    and the examples by where their ids came from (``token_ids``: ``TrainResult.token_ids``)."""
+
+    examples: list[tuple[list[int], list[int]]]
+    dropped: dict[str, int]
+    token_ids: dict[str, int]
+
+
+def encode_dataset(
+    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
+) -> EncodedRows:
+    """Each row's ids and labels: the ids its reply was served with when this tokenizer served it and they
+    fit (``packing.encode_reply``), else ``templating.encode_chat``'s (content inert, the oldest context cut
+    to fit ``max_len``, never the target's end); and the rows left out by reason -- the chat template refuses
+    the row, it does not fit, the template rewrites the trained turn, nothing to train on. A job never stops
+    on one row."""
+
+    examples: list[tuple[list[int], list[int]]] = []
+    dropped: dict[str, int] = {}
+    token_ids: dict[str, int] = {}
+    for r in rows:
+        try:
+            ids, labels, how = encode_row(tokenizer, r, max_len, fmt=fmt)
+        except ROW_ERRORS as exc:
+            log.warning("%s: a row is left out: %s", where, exc)
+            count(dropped, skip_reason(exc))
+            continue
+        if not any(label != -100 for label in labels):
+            count(dropped, NO_TARGET)
+            continue
+        examples.append((ids, labels))
+        count(token_ids, how)
+    return EncodedRows(examples, dropped, token_ids)
+
+
 def encode_rows(
     tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
 ) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
-    """``(examples, dropped)``: each row's ids and labels (``templating.encode_chat``: content inert, the
-    oldest context cut to fit ``max_len``, never the target's end), and the rows left out by reason -- the
-    chat template refuses the row, it does not fit, the template rewrites the trained turn, nothing to train
-    on. A job never stops on one row."""
+    """``(examples, dropped)`` of ``encode_dataset``."""
+    encoded = encode_dataset(tokenizer, rows, max_len, fmt=fmt, where=where)
+    return encoded.examples, encoded.dropped
 
-    examples, dropped = [], {}
-    for r in rows:
-        try:
-            tools = json.loads(r.get("tools") or "[]") or None
-            ids, labels = encode_chat(tokenizer, r["messages"], max_len, fmt=fmt, tools=tools)
-        except ROW_ERRORS as exc:
-            log.warning("%s: a row is left out: %s", where, exc)
-            reason = skip_reason(exc)
-            dropped[reason] = dropped.get(reason, 0) + 1
-            continue
-        if not any(label != -100 for label in labels):
-            dropped[NO_TARGET] = dropped.get(NO_TARGET, 0) + 1
-            continue
-        examples.append((ids, labels))
-    return examples, dropped
+
+def log_token_ids(tracker: Any, token_ids: dict[str, int], where: str) -> None:
+    """Log (and record in the job's MLflow run, ``token_ids_<how>``) how many examples trained on the ids
+    served and how many were re-rendered."""
+    served = sum(n for how, n in token_ids.items() if how.endswith(SERVED))
+    log.info("%s: %d examples on the ids served, %d re-rendered (%s)", where, served,
+             sum(token_ids.values()) - served, _dropped_text(token_ids))  # fmt: skip
+    if tracker:
+        for how, n in sorted(token_ids.items()):
+            key = "".join(c if c.isalnum() else "_" for c in how)
+            tracker.log_metric(f"token_ids_{key}", float(n), step=0)
 
 
 def _dropped_text(dropped: dict[str, int]) -> str:
@@ -303,9 +374,8 @@ def train_lora(
     # Llama-3-style tokenizers have no pad token: pad with EOS (padding is masked out of attention and loss).
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     max_len = config.max_seq_len or sequence_limit(base_model_dir)
-    examples, dropped = encode_rows(
-        tokenizer, rows, max_len, fmt=config.tool_call_format, where=str(dataset_dir)
-    )
+    encoded = encode_dataset(tokenizer, rows, max_len, fmt=config.tool_call_format, where=str(dataset_dir))
+    examples, dropped, token_ids = encoded.examples, encoded.dropped, encoded.token_ids
     if not examples:
         raise RatchetError(
             f"{dataset_dir}: no row has an assistant turn to train on ({_dropped_text(dropped)})"
@@ -344,11 +414,13 @@ def train_lora(
                     **asdict(config),
                     "dataset_sha256": data_hash,
                     "examples": len(examples),
+                    "examples_served_ids": token_ids.get(SERVED, 0),
                     "rows_left_out": sum(dropped.values()),
                     "total_steps": total,
                 }
             )
             log_dropped(tracker, dropped)
+        log_token_ids(tracker, token_ids, str(dataset_dir))
         tokens, loss_value, started, step = 0, float("nan"), time.perf_counter(), start
         curve: list[tuple[int, float]] = []
         every = max(1, -(-total // LOSS_POINTS))
@@ -378,7 +450,7 @@ def train_lora(
                 seconds = time.perf_counter() - started
                 return TrainResult(output_dir / "adapter", "", step, loss_value, tokens / seconds, start,
                                    len(examples), seconds, run_id, completed=False, loss_curve=tuple(curve),
-                                   dropped=dropped)  # fmt: skip
+                                   dropped=dropped, token_ids=token_ids)  # fmt: skip
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
@@ -396,6 +468,7 @@ def train_lora(
                 "steps": total,
                 "final_loss": loss_value,
                 "examples": len(examples),
+                "token_ids": token_ids,
             },
             tracker=tracker,
         )
@@ -416,5 +489,6 @@ def train_lora(
         run_id,
         loss_curve=tuple(curve),
         dropped=dropped,
+        token_ids=token_ids,
     )
     return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)

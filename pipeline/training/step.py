@@ -248,6 +248,8 @@ def train_step(
                 "resumed_from_step": result.resumed_from_step,
                 # rows (examples, pairs, episodes) left out, by reason: the template refused them, too long...
                 "dropped": dict(result.dropped),
+                # examples by where their token ids came from: served (as decoded) or re-rendered, and why
+                "token_ids": dict(result.token_ids),
             }
             state = state_of(gen)  # kept as each finishes: a resumed step skips what is done
             state.trained = {**state.trained, specialist: TrainedAdapter.model_validate(results[specialist])}
