@@ -11,12 +11,12 @@ import json
 
 import pytest
 from realmodel import build_real_model
-from serving.support import HARNESS, SPECIALISTS, build_adapter, register_generation
 from training.test_served_tokens import contract, served_sft_examples
 
 from pipeline.modeling.templating import IGNORE
 from pipeline.registry import Experience, get_engine, session_scope, upgrade_db
 from pipeline.specs.harness import HarnessSpec
+from serving.support import HARNESS, SPECIALISTS, build_adapter, register_generation
 
 TIMER = HARNESS["tools"]
 # the serving harness with a context the fixture's 400-token vocabulary fits a tool schema in
