@@ -14,6 +14,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export MLFLOW_ENABLE_TELEMETRY ?= false
 export TOKENIZERS_PARALLELISM ?= false
+export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
 .PHONY: install demo test test-all lint format bench clean
 
