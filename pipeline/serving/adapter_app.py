@@ -16,6 +16,14 @@ leading outside is refused (400). Every refusal is one line.
 
 Unloading a name ends the requests in flight for it: a stream gets an OpenAI-style error event
 (``data: {"error": {...}}``) and is closed, a non-streamed request a 404 error; the unload itself succeeds.
+
+A chat request is decoded as vLLM decodes it: the offered ``tools`` rendered into the prompt;
+``response_format`` (``json_schema`` / ``json_object``) and a forced ``tool_choice`` (``required`` or named,
+``parallel_tool_calls``) enforced by constrained decoding (``pipeline.serving.constraints``; tools under
+``auto`` with a response format: calls or the format's JSON), a call answered as native ``tool_calls``
+(finish reason ``tool_calls``; streamed as tool-call deltas once decoded); ``logprobs`` / ``top_logprobs``
+(one entry per token of the text, none for the end token). Unknown parameters are ignored, as vLLM does;
+what it does not do (``n`` > 1, penalties, ``logit_bias`` ...) is a 400 naming the parameter.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +46,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from pipeline.errors import RatchetError
 from pipeline.experience.principals import ANONYMOUS
+from pipeline.experience.toolcalls import assistant_message
+from pipeline.modeling.grammar import GrammarSpec
 from pipeline.serving.access import Access
 from pipeline.serving.adapters import CONFIG, WEIGHTS, AdapterSource
+from pipeline.serving.completions import logprobs_body
+from pipeline.serving.constraints import checked_grammar, logprobs_wanted
 from pipeline.serving.engines import EmbeddedEngine, EngineRequest, EngineResult
 from pipeline.serving.limits import read_body, watch_disconnect
 from pipeline.serving.protocol import (
+    REFUSED,
     ApiError,
     ChatRequest,
     chunk,
@@ -178,10 +192,14 @@ def create_adapter_app(
                 param="model",
                 code="model_not_found",
             )
+        refusal = _refusal(req)
+        if refusal is not None:
+            raise refusal
         messages = req.plain_messages()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_names() else None
         max_tokens = req.limit() or 64
         limit = engine.context_limit
-        if limit and engine.count_tokens(messages) + max_tokens > limit:
+        if limit and engine.count_tokens(messages, tools) + max_tokens > limit:
             raise ApiError(
                 400,
                 f"prompt plus max_tokens exceed the context window of {limit} tokens",
@@ -196,8 +214,12 @@ def create_adapter_app(
             req.top_p if req.top_p is not None else 1.0,
             req.stops(),
             req.seed,
+            tools=tools,
             abort=Abort(),
+            grammar=await checked_grammar(req, engine, fmt=CALL_FORMAT),
+            logprobs=logprobs_wanted(req),
         )
+        calls = ereq.grammar is not None and ereq.grammar.kind == "tool_calls"  # read back as tool_calls
         cid, created = new_completion_id(), int(time.time())
         inflight.setdefault(req.model, weakref.WeakSet()).add(ereq.abort)  # type: ignore[arg-type]
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, ereq.abort))  # type: ignore[arg-type]
@@ -211,17 +233,18 @@ def create_adapter_app(
                 r = await _complete(engine, ereq, req.model)
             finally:
                 done()
-            return JSONResponse(
-                completion_body(
-                    cid=cid,
-                    model=req.model,
-                    message={"role": "assistant", "content": r.text},
-                    finish_reason=r.finish_reason,
-                    usage=usage_of(r.prompt_tokens, r.completion_tokens),
-                    metadata={},
-                    created=created,
-                )
+            message = _message(r.text, req, ereq.grammar, cid)
+            body = completion_body(
+                cid=cid,
+                model=req.model,
+                message=message,
+                finish_reason="tool_calls" if message.get("tool_calls") else r.finish_reason,
+                usage=usage_of(r.prompt_tokens, r.completion_tokens),
+                metadata={},
+                created=created,
             )
+            body["choices"][0]["logprobs"] = _logprobs(r)
+            return JSONResponse(body)
 
         async def events():
             try:
@@ -231,7 +254,7 @@ def create_adapter_app(
                     async for item in engine.stream(ereq):
                         if isinstance(item, EngineResult):
                             result = item
-                        else:
+                        elif not calls:  # a call (or its JSON alternative) is sent once read back
                             yield chunk(cid, req.model, created, {"content": item})
                     if result is not None and result.finish_reason == UNLOADED:
                         raise RatchetError(unloaded(req.model))
@@ -242,7 +265,24 @@ def create_adapter_app(
                     log.exception("stream for %s failed", req.model)
                     yield sse(ApiError(500, "the engine failed on this request", type="server_error").body())
                     return
-                yield chunk(cid, req.model, created, {}, result.finish_reason if result else "stop")
+                finish = result.finish_reason if result else "stop"
+                if calls and result is not None:
+                    message = _message(result.text, req, ereq.grammar, cid)
+                    for delta in _deltas(message):
+                        yield chunk(cid, req.model, created, delta)
+                    finish = "tool_calls" if message.get("tool_calls") else finish
+                last = {"index": 0, "delta": {}, "finish_reason": finish, "logprobs": None}
+                if result is not None:
+                    last["logprobs"] = _logprobs(result)
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": req.model,
+                        "choices": [last],
+                    }
+                )
                 if result is not None and req.stream_options is not None and req.stream_options.include_usage:
                     yield sse(
                         {
@@ -265,6 +305,52 @@ def create_adapter_app(
 
 
 UNLOADED = "unloaded"  # the abort reason (and finish reason) of a request whose model was unloaded
+CALL_FORMAT = "json"  # a forced call is decoded as the renderer's JSON and answered as native tool_calls
+
+
+def _refusal(req: ChatRequest) -> ApiError | None:
+    """The 400 for a parameter this engine does not honour: ``n`` > 1, a non-neutral ``REFUSED`` one, a
+    ``tool_choice`` naming no offered tool, ``top_logprobs`` without ``logprobs`` (unknown parameters are
+    ignored, as vLLM does)."""
+    if req.choices() > 1:
+        return ApiError(400, "n > 1 is not supported by this engine: send one request per choice", param="n")
+    known = req.model_copy()
+    known.__pydantic_extra__ = {k: v for k, v in (req.model_extra or {}).items() if k in REFUSED}
+    return known.unsupported()
+
+
+def _message(text: str, req: ChatRequest, grammar: GrammarSpec | None, cid: str) -> dict[str, Any]:
+    """The reply: under a tool-call grammar, the calls it wrote as ``tool_calls`` (else its JSON as text)."""
+    if grammar is None or grammar.kind != "tool_calls":
+        return {"role": "assistant", "content": text}
+    return assistant_message(text, req.tool_names(), CALL_FORMAT, seed_text=cid)
+
+
+def _deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A read-back reply as stream deltas: its text, or each call's head then its arguments (OpenAI's)."""
+    if not message.get("tool_calls"):
+        return [{"content": message["content"]}] if message.get("content") else []
+    out = []
+    for k, call in enumerate(message["tool_calls"]):
+        fn = call["function"]
+        head = {
+            "index": k,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": ""},
+        }
+        out += [
+            {"tool_calls": [head]},
+            {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]},
+        ]
+    return out
+
+
+def _logprobs(result: EngineResult) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a result, without the end token's entry (it is not part of the text)."""
+    if result.logprobs is None:
+        return None
+    return logprobs_body(replace(result, logprobs=result.logprobs[: result.completion_tokens]))
 
 
 def unloaded(model: str) -> str:
