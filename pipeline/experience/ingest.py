@@ -403,7 +403,7 @@ def ingest_file(
         raise NotFoundError(f"{path}: {what} (expected a JSONL file of traces)")
     if source not in SOURCES:
         raise RatchetError(f"unknown source {source!r}: expected one of {', '.join(SOURCES)}")
-    if principal == LOOP or not PRINCIPAL_NAME.match(principal):
+    if principal == LOOP or not PRINCIPAL_NAME.fullmatch(principal):
         raise RatchetError(
             f"principal {principal!r}: expected a letter, then letters, digits, _ . - (and not {LOOP!r}, the "
             "loop's own practice)"

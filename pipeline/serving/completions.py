@@ -186,8 +186,16 @@ async def completion_stream(
                 if item[2].finish_reason == "timeout":
                     yield sse(state.timeout_error().body())
                     return
+                if item[2].finish_reason == "error":
+                    yield sse(state.decoding_error().body())
+                    return
                 replies[index] = item
-                for event in _ending(first, turns[index], item, buffered):
+                ending = (  # a choice's logprobs can be large: built and encoded off the event loop
+                    await asyncio.to_thread(_ending, first, turns[index], item, buffered)
+                    if req.logprobs
+                    else _ending(first, turns[index], item, buffered)
+                )
+                for event in ending:
                     yield event
             elif not buffered:
                 yield _chunk(first, [_delta(index, {"content": item})])

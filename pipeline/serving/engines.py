@@ -100,7 +100,9 @@ class EmbeddedEngine:
     async def stream(self, request: EngineRequest) -> AsyncIterator[str | EngineResult]:
         if request.specialist not in self.runtime.specialists:
             raise RatchetError(f"specialist {request.specialist!r} is not served by this generation")
-        ids = self.runtime.encode(request.messages, request.tools)
+        ids = await asyncio.to_thread(
+            self.runtime.encode, request.messages, request.tools
+        )  # off the event loop
         ticket = self.scheduler.submit(
             self.runtime,
             GenerationRequest(
@@ -131,7 +133,8 @@ class EmbeddedEngine:
             prompt_ids=list(ids),
             completion_ids=list(r.completion_ids),
             tokenizer=tokenizer_fingerprint(self.runtime.tokenizer),
-            logprobs=r.logprobs,
+            # OpenAI's content logprobs leave out the end token (completion_ids keep it)
+            logprobs=None if r.logprobs is None else r.logprobs[: r.completion_tokens],
         )
 
     async def label_scores(

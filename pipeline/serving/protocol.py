@@ -327,6 +327,14 @@ def _int(text: str) -> int:
     return int(text)
 
 
+class _NotANumber(ValueError):
+    pass
+
+
+def _constant(name: str) -> float:
+    raise _NotANumber(name)  # NaN / Infinity: not JSON; a stored trace or rating must never hold one
+
+
 def json_depth(data: Any) -> int:
     """How deep arrays and objects nest in ``data`` (iteratively: any depth is safe to measure)."""
     deepest, stack = 0, [(data, 1)]
@@ -346,10 +354,14 @@ def too_deep() -> ApiError:
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Decode and validate a JSON body, raising ``ApiError`` (400) with the first problem: hostile JSON
-    (an integer of more than ``MAX_INT_DIGITS`` digits, nesting deeper than ``MAX_JSON_DEPTH``) is one more
-    problem, never a 500."""
+    (an integer of more than ``MAX_INT_DIGITS`` digits, nesting deeper than ``MAX_JSON_DEPTH``, ``NaN`` or
+    ``Infinity``, which Python's parser takes) is one more problem, never a 500."""
     try:
-        data = json.loads(raw, parse_int=_int)
+        data = json.loads(raw, parse_int=_int, parse_constant=_constant)
+    except _NotANumber as exc:
+        raise ApiError(
+            400, f"request body has {exc}, which is not JSON (numbers are finite)", code="invalid_json"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except _TooManyDigits:

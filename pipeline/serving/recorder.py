@@ -224,6 +224,26 @@ class ExperienceRecorder:
             finally:
                 self._flushing -= 1
 
+    async def stored(self, timeout: float = 30.0, poll_s: float = 0.02) -> bool:
+        """``flush`` for the event loop: waits without holding a thread (the threads every turn's decoding
+        runs on must not wait on a registry that takes no writes), False when ``timeout`` passed."""
+        with self._cond:
+            target = self._seq
+            self._flushing += 1
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                with self._cond:
+                    if not self._unfinished or next(iter(self._unfinished)) > target:
+                        return True
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(poll_s)
+        finally:
+            with self._cond:
+                self._flushing -= 1
+
     def close(self, timeout: float = 30.0) -> None:
         """Store what is accepted (for up to ``timeout``) and stop; the rest stays in the spool."""
         if self.spool is not None:

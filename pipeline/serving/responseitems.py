@@ -18,7 +18,12 @@ from pipeline.serving.protocol import MAX_TOP_LOGPROBS, ApiError
 LOGPROBS = "message.output_text.logprobs"
 # `include` values honoured (logprobs) or with nothing to include (the server writes no reasoning items)
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content")
-STATUS = {"length": "incomplete", "timeout": "failed", "disconnected": "cancelled"}  # else completed
+STATUS = {
+    "length": "incomplete",
+    "timeout": "failed",
+    "error": "failed",
+    "disconnected": "cancelled",
+}  # else completed
 
 
 class ResponsesRequest(BaseModel):

@@ -179,7 +179,8 @@ def response_object(
     status = "in_progress" if message is None else STATUS.get(finish_reason or "", "completed")
     error = None
     if status == "failed":
-        error = ResponseError(code="server_error", message="stopped at the request timeout")
+        why = "constrained decoding failed" if finish_reason == "error" else "stopped at the request timeout"
+        error = ResponseError(code="server_error", message=why)
     return ResponseObject(
         id=rid,
         created_at=record.created_at,

@@ -9,16 +9,21 @@ when the client leaves, and recorded as experience before it is answered, with t
 
 Conversations kept server-side: ``previous_response_id`` continues the stored trace of that response (its
 messages and reply, without its ``instructions``: they are not carried over); ``conversation`` (an id, or
-``{id}``) continues the latest stored turn of that conversation. A chain's turns share the registry's
-``conversation_id``: the ``conversation`` named, else the chain's first response id (or the client's
-``metadata.conversation_id`` / ``session_id``). A response is read or continued only by the principal that
-created it (or an ``admin`` key); for anyone else, and with ``store: false``, it does not exist (404).
+``{id}``) continues the latest stored turn of that conversation sent with the same key (anyone may name any
+conversation id: another key's turns in it never reach this prompt, for an admin key too). A chain's turns
+share the registry's ``conversation_id``: the ``conversation`` named, else the chain's first response id (or
+the client's ``metadata.conversation_id`` / ``session_id``). A response is read or continued by its
+``previous_response_id`` only by the principal that created it (or an ``admin`` key); for anyone else, and
+with ``store: false``, it does not exist (404). A continuation whose conversation with the new input is larger
+than ``--max-body-bytes`` is a 400 naming ``previous_response_id`` / ``conversation`` (every turn stores its
+whole conversation: a chain must not grow one row without bound).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -111,7 +116,10 @@ def install_responses(
             )
         rid = new_response_id()
         history, conversation = await _kept(state, body, who, rid)
-        req = _chat_request(chat_body(body, history))
+        chat = chat_body(body, history)
+        if history:
+            _check_kept_size(chat["messages"], body, state.config.max_body_bytes)
+        req = _chat_request(chat)
         slot = state.admit()  # refused at once when full
         try:
             turn = await state.prepare(req, started=started, slot=slot, cid=rid)
@@ -133,8 +141,13 @@ def install_responses(
             events = _events(state, turn, record, meta, queue, watcher)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         message, _finish, result = await state.answer(turn, request)
-        done = _reply(turn, record, meta, message, result)
-        return JSONResponse(done.model_dump(mode="json"), headers=headers)
+
+        def answer() -> JSONResponse:
+            done = _reply(turn, record, meta, message, result)
+            return JSONResponse(done.model_dump(mode="json"), headers=headers)
+
+        # logprobs (tokens x (1 + top_logprobs) entries) are built and encoded off the event loop
+        return await asyncio.to_thread(answer) if body.logprobs() else answer()
 
 
 def _parse(raw: bytes) -> ResponsesRequest:
@@ -162,6 +175,25 @@ def _chat_request(body: dict[str, Any]) -> ChatRequest:
     return req
 
 
+def _check_kept_size(messages: list[dict[str, Any]], body: ResponsesRequest, limit: int) -> None:
+    """A 400 naming the continuation when the conversation kept server-side plus this input is larger than
+    ``--max-body-bytes``: every turn stores its whole conversation, so a chain a client grows by a full body
+    per request would otherwise grow one stored row (and the spool) without bound, beyond anything the
+    client could have sent itself."""
+    if not limit:
+        return
+    size = len(json.dumps(messages, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > limit:
+        param = "previous_response_id" if body.previous_response_id is not None else "conversation"
+        raise ApiError(
+            400,
+            f"the conversation continued is {size} bytes with this input, over the server's limit of {limit} "
+            "bytes (--max-body-bytes): start a new conversation",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def _renamed(exc: ApiError) -> ApiError:
     """A chat turn's 400 naming the Responses parameter instead of the chat one."""
     if exc.param in PARAMS:
@@ -182,7 +214,9 @@ async def _kept(
         return history_of(prev.messages, prev.record), prev.conversation_id or prev.completion_id
     if named is not None:
         await _flush(state)
-        latest = await _registry(_latest, state.db, named, None if who.may("admin") else who.name)
+        # only the asker's own turns: anyone may name any conversation id, so another principal's turn in it
+        # (an admin's included) would put that principal's text in this prompt and this experience
+        latest = await _registry(_latest, state.db, named, who.name)
         return (history_of(latest.messages, latest.record) if latest else []), named
     client = body.metadata or {}
     # the client's own conversation id, as chat turns store it (``traces.conversation_of``); else this
@@ -215,7 +249,7 @@ async def find_response(state: ServerState, rid: str, who: Principal, *, param: 
 async def _flush(state: ServerState) -> None:
     """Wait until the served turns spooled so far are in the registry (503 when it does not take them)."""
     assert state.recorder is not None
-    if not await asyncio.to_thread(state.recorder.flush, 10.0):
+    if not await state.recorder.stored(10.0):
         raise _unavailable()
 
 
@@ -253,14 +287,14 @@ def _read(db: Any, rid: str) -> StoredTurn | None:
         return None if row is None else _stored(row)
 
 
-def _latest(db: Any, conversation: str, principal: str | None) -> StoredTurn | None:
-    """The newest served turn of ``conversation`` (of ``principal``; None: anyone's) that may be continued
-    (not a response stored with ``store: false``)."""
+def _latest(db: Any, conversation: str, principal: str) -> StoredTurn | None:
+    """The newest served turn of ``conversation`` sent by ``principal`` that may be continued (not a response
+    stored with ``store: false``)."""
     query = select(Experience).where(
-        Experience.conversation_id == conversation, Experience.source == "deployment"
+        Experience.conversation_id == conversation,
+        Experience.source == "deployment",
+        Experience.principal == principal,
     )
-    if principal is not None:
-        query = query.where(Experience.principal == principal)
     with session_scope(db) as session:
         for row in session.scalars(query.order_by(Experience.id.desc()).limit(50)):
             turn = _stored(row)
@@ -324,11 +358,17 @@ async def _events(
                 yield ev.delta(text_id, 0, item)
         done = _reply(turn, record, meta, message, result)
         if done.status == "failed":
-            yield ev.lifecycle("failed", _failed(done, state.timeout_error().message))
+            why = state.decoding_error() if result.finish_reason == "error" else state.timeout_error()
+            yield ev.lifecycle("failed", _failed(done, why.message))
             return
-        for line in ev.items(done, opened=opened):
+
+        def ending() -> list[str]:
+            end = "incomplete" if done.status == "incomplete" else "completed"
+            return [*ev.items(done, opened=opened), ev.lifecycle(end, done)]
+
+        # logprobs (tokens x (1 + top_logprobs) entries) are built and encoded off the event loop
+        for line in await asyncio.to_thread(ending) if turn.req.logprobs else ending():
             yield line
-        yield ev.lifecycle("incomplete" if done.status == "incomplete" else "completed", done)
     finally:  # closed early (the client left) or done: either way nothing more is decoded for it
         watcher.cancel()
         turn.abort.set("disconnected")

@@ -54,7 +54,7 @@ from pipeline.serving.limits import Admission, KeyLimit, Slot, read_body, watch_
 from pipeline.serving.protocol import ApiError, ChatRequest, parse_body
 from pipeline.serving.responses import install_responses
 from pipeline.serving.served import ServeConfig
-from pipeline.serving.turns import ServerState
+from pipeline.serving.turns import ServerState, cid_key
 
 log = logging.getLogger(__name__)
 
@@ -223,9 +223,11 @@ def create_app(config: ServeConfig) -> FastAPI:
             slot.release()
         if body.rating is None and body.correction is None:
             raise ApiError(400, "feedback needs a rating, a correction, or both", param="rating")
-        task = state.pending.get(body.completion_id)
-        if task is not None:  # its turn still decoding: waited for without a slot, so a client waiting on
-            await asyncio.wait([task], timeout=30)  # its own long turns holds nobody else's feedback up
+        # its turn still decoding (a streamed turn's id comes in its first chunk): waited for without a slot,
+        # so a client waiting on its own long turns holds nobody else's feedback up
+        tasks = [state.pending.get(cid_key(body.completion_id, what)) for what in ("turn", "stream")]
+        if running := [task for task in tasks if task is not None]:
+            await asyncio.wait(running, timeout=30)
         slot = feedbacks.admit()  # storing and re-scoring: again at most --max-feedback at once
         try:
             return await handle_feedback(body, who)
@@ -245,7 +247,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             )
         counted = await _spool_feedback(state, body, who)  # durable from here on
         assert state.recorder is not None
-        if not await asyncio.to_thread(state.recorder.flush) and any(counted.values()):
+        if not await state.recorder.stored() and any(counted.values()):  # no thread held while it waits
             raise ApiError(
                 503,
                 "the feedback is kept and will be stored, but the registry is not taking writes now and the "
@@ -303,6 +305,10 @@ def create_app(config: ServeConfig) -> FastAPI:
                 headers=headers,
             )
         replies = await state.answer_all(turns, request)
+        if req.logprobs:  # n x tokens x (1 + top_logprobs) entries: built and encoded off the event loop
+            return await asyncio.to_thread(
+                lambda: JSONResponse(completion_response(turns, replies), headers=headers)
+            )
         return JSONResponse(completion_response(turns, replies), headers=headers)
 
     install_responses(app, state, access, body_of)

@@ -29,6 +29,7 @@ from pipeline.serving.views import TurnMemory
 STOPPED = {
     "timeout": "stopped at the request timeout of {:g} s; the reply is what was produced until then",
     "disconnected": "the client disconnected; the reply is what was produced until then",
+    "error": "constrained decoding failed (the grammar could not go on); the reply is what was produced until then",
 }
 
 

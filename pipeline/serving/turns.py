@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ from pipeline.settings import get_settings
 from pipeline.specs.harness import DecodingParams
 
 log = logging.getLogger(__name__)
+PREPARING_THREADS = 2  # requests whose view is fitted to the window at once (the others wait their turn)
 
 
 class ServerState:
@@ -77,6 +80,10 @@ class ServerState:
         self.busy: str | None = None  # why no turn is admitted now even below the limit
         self.failed: dict[int, str] = {}  # generation id -> why switching to it failed (not retried by polls)
         self.engine_loaded: set[str] = set()  # external engine model names this server loaded
+        # fitting a conversation to the window renders the chat template (the whole conversation, its tools)
+        # and counts tokens, several times: CPU work that scales with what the client sent, done here off the
+        # event loop and off the default executor the decoding steps run on, so a heavy request holds nobody
+        self.preparing = ThreadPoolExecutor(max_workers=PREPARING_THREADS, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -130,6 +137,7 @@ class ServerState:
             await asyncio.to_thread(self.recorder.close)
         if self.current is not None:
             await self.current.engine.aclose()
+        self.preparing.shutdown(wait=False, cancel_futures=True)
 
     async def _poll(self) -> None:
         while True:
@@ -254,16 +262,18 @@ class ServerState:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        fit = functools.partial(
+            build_view,
+            messages,
+            decision.specialist,
+            harness=served.harness,
+            memory=self.memory,
+            count_tokens=lambda msgs: served.engine.count_tokens(msgs, tools),
+            max_new_tokens=max_tokens,
+            context_limit=limit,
+        )
         try:
-            view = build_view(
-                messages,
-                decision.specialist,
-                harness=served.harness,
-                memory=self.memory,
-                count_tokens=lambda msgs: served.engine.count_tokens(msgs, tools),
-                max_new_tokens=max_tokens,
-                context_limit=limit,
-            )
+            view = await asyncio.get_running_loop().run_in_executor(self.preparing, fit)
         except ContextOverflowError as exc:
             raise ApiError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except TemplateError as exc:  # e.g. a system prompt, a tool result or two calls the template refuses
@@ -381,6 +391,8 @@ class ServerState:
         replies = [task.result() for task in tasks]
         if any(result.finish_reason == "timeout" for _m, _f, result in replies):
             raise self.timeout_error()
+        if any(result.finish_reason == "error" for _m, _f, result in replies):
+            raise self.decoding_error()
         return replies
 
     def time_left(self, turn: ChatTurn) -> float | None:
@@ -390,6 +402,13 @@ class ServerState:
         if timeout <= 0:
             return None
         return max(0.0, timeout - (time.perf_counter() - turn.started)) + 0.25  # one step to stop cleanly
+
+    def decoding_error(self) -> ApiError:
+        """A row whose grammar could not go on (``finish_reason`` ``error``): the server's fault, recorded as a
+        stopped turn."""
+        return ApiError(
+            500, "constrained decoding failed; the turn was recorded as stopped", type="server_error"
+        )
 
     def timeout_error(self) -> ApiError:
         return ApiError(
@@ -474,10 +493,15 @@ class ServerState:
 
     async def _summarize(self, served: Served, ereq: EngineRequest, message: dict) -> str:
         budget = (served.engine.context_limit or 10**9) - self.config.summary_tokens
-        prompt = summary_messages(ereq.messages, message)
-        while served.engine.count_tokens(prompt) > budget and len(prompt) > 3:
-            prompt = prompt[:1] + prompt[2:] if prompt[0]["role"] == "system" else prompt[1:]
-        if served.engine.count_tokens(prompt) > budget:
+
+        def fit() -> list[dict] | None:  # renders and counts the conversation: off the event loop
+            prompt = summary_messages(ereq.messages, message)
+            while served.engine.count_tokens(prompt) > budget and len(prompt) > 3:
+                prompt = prompt[:1] + prompt[2:] if prompt[0]["role"] == "system" else prompt[1:]
+            return None if served.engine.count_tokens(prompt) > budget else prompt
+
+        prompt = await asyncio.get_running_loop().run_in_executor(self.preparing, fit)
+        if prompt is None:
             return ""
         r = await complete(served.engine, EngineRequest(ereq.specialist, prompt, self.config.summary_tokens))
         return " ".join(r.text.split())

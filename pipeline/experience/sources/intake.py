@@ -175,7 +175,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
 def resolve_principal(*, session: Any, name: str) -> Principal:
     """The principal ``name`` with its scopes: ``operator`` has every scope, a key's name the key's (none
     once revoked), any other name none."""
-    if name == LOOP or not NAME.match(name):
+    if name == LOOP or not NAME.fullmatch(name):
         raise RatchetError(
             f"principal {name!r}: expected a letter, then letters, digits, _ . - (and not {LOOP!r}, the "
             "loop's own practice)"

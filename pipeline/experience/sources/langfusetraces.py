@@ -34,7 +34,9 @@ from pipeline.experience.sources.intake import (
     record_bytes,
 )
 
-MAX_FILE_BYTES = 256 << 20  # a whole-file export read at once; JSONL streams
+MAX_FILE_BYTES = (
+    64 << 20
+)  # a whole-file export read at once (~30x its size in memory as Python objects); JSONL streams
 MAX_TRACE_BYTES = 64 << 20  # one trace (a line of JSONL) with all its observations
 
 
@@ -92,6 +94,9 @@ def trace_turns(trace: Any, number: int) -> Iterator[Turn]:
         )
         return
     trace_id = trace.get("id") if isinstance(trace.get("id"), str) else None
+    if not isinstance(trace.get("scores"), list | None):
+        yield failed(number, trace, f"wrong shape: scores: expected a list (trace {trace_id})")
+        return
     generations = [o for o in trace["observations"] if isinstance(o, dict) and o.get("type") == "GENERATION"]
     generations.sort(key=lambda o: str(o.get("startTime") or ""))
     if not generations:

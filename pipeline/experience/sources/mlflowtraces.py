@@ -95,10 +95,11 @@ def trace_turns(trace: Any, number: int, experiment_id: str) -> Iterator[Turn]:
     parents = {s.span_id: s.parent_id for s in spans}
 
     def outermost(span: Any) -> bool:
-        parent = parents.get(span.span_id)
-        while parent is not None:
+        parent, seen = parents.get(span.span_id), {span.span_id}
+        while parent is not None and parent not in seen:  # parents are the logger's word: a cycle ends here
             if parent in chat:
                 return False
+            seen.add(parent)
             parent = parents.get(parent)
         return True
 

@@ -181,9 +181,10 @@ def _event_messages(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, 
 def span_turn(span: dict[str, Any], number: int) -> Turn | None:
     """The turn one span carries, None for a span that is not a GenAI chat call."""
     attrs = attributes(span.get("attributes"))
+    given = span.get("events")
     events = [
         (e.get("name"), attributes(e.get("attributes")))
-        for e in span.get("events") or []
+        for e in (given if isinstance(given, list) else [])
         if isinstance(e, dict) and isinstance(e.get("name"), str)
     ]
     for name, event_attrs in events:
@@ -202,6 +203,8 @@ def span_turn(span: dict[str, Any], number: int) -> Turn | None:
         "events": events,
     }
     try:
+        if given is not None and not isinstance(given, list):
+            raise TraceError("events: expected a list")
         if "gen_ai.input.messages" in attrs or "gen_ai.output.messages" in attrs:
             messages = _instructions(attrs.get("gen_ai.system_instructions"))
             messages += parts_messages(attrs.get("gen_ai.input.messages", "[]"), "gen_ai.input.messages")
