@@ -67,26 +67,35 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SPECIALISTS = ("chat", "agent", "coding", "genui")
 
 
-def build_models(root: Path, model: str, args) -> tuple[Path, dict[str, Path]]:
+def base_model(path: Path, model: str, args) -> Path:
+    """The base model's directory: ``real`` proportions (built once under ``--cache``), the tiny model under
+    ``--model-dir`` if built there, else its architecture with random weights saved at ``path``."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from pipeline.environment.tinymodel import TinyModelConfig, _model_config, build_tokenizer
-    from pipeline.training import ALL_LINEAR, TrainConfig
 
     if model == "real":
         from bench.realproportions import ensure_real_model
 
-        base = ensure_real_model(args.cache)
-    elif args.model_dir is not None and (args.model_dir / "config.json").is_file():
-        base = args.model_dir
-    else:
-        base = root / "base"
-        torch.manual_seed(0)
-        tok = build_tokenizer()
-        LlamaForCausalLM(_model_config(TinyModelConfig(), tok)).save_pretrained(base)
-        tok.save_pretrained(base)
+        return ensure_real_model(args.cache)
+    if args.model_dir is not None and (args.model_dir / "config.json").is_file():
+        return args.model_dir
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    LlamaForCausalLM(_model_config(TinyModelConfig(), tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def build_models(root: Path, model: str, args) -> tuple[Path, dict[str, Path]]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training import ALL_LINEAR, TrainConfig
+
+    base = base_model(root / "base", model, args)
     train = TrainConfig()
     adapters = {}
     for i, name in enumerate(SPECIALISTS):
@@ -134,28 +143,20 @@ def naive(rt, reqs) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-async def http_latency(
-    url: str, texts: list[str], clients: int, new_tokens: int
-) -> tuple[list[float], float]:
+async def post_latency(url: str, path: str, bodies: list[dict], clients: int) -> tuple[list[float], float]:
+    """Latency of each ``POST path`` (one body each) sent by ``clients`` concurrent clients; wall seconds."""
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
-    for t in texts:
-        queue.put_nowait(t)
+    for body in bodies:
+        queue.put_nowait(body)
     latencies: list[float] = []
 
     async def client(http: httpx.AsyncClient) -> None:
         while not queue.empty():
-            text = queue.get_nowait()
+            body = queue.get_nowait()
             t0 = time.perf_counter()
-            r = await http.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "ratchet",
-                    "messages": [{"role": "user", "content": text}],
-                    "max_tokens": new_tokens,
-                },
-            )
+            r = await http.post(path, json=body)
             r.raise_for_status()
             latencies.append(time.perf_counter() - t0)
 
@@ -163,6 +164,25 @@ async def http_latency(
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         await asyncio.gather(*[client(http) for _ in range(clients)])
     return latencies, time.perf_counter() - started
+
+
+def chat_bodies(texts: list[str], new_tokens: int) -> list[dict]:
+    """One ``POST /v1/chat/completions`` body per text, each asking for ``new_tokens`` tokens."""
+    return [
+        {"model": "ratchet", "messages": [{"role": "user", "content": t}], "max_tokens": new_tokens}
+        for t in texts
+    ]
+
+
+def adapter_sources(adapters: dict[str, Path]) -> list:
+    """The ``AdapterSource`` of each built adapter (rank 16, its checked safetensors)."""
+    from pipeline.serving.runtime import AdapterSource
+    from pipeline.specs.loading import file_sha256
+
+    return [
+        AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
+        for s, p in adapters.items()
+    ]
 
 
 TARGETS = {"tiny": (0.7, 3.0), "real": (0.85, 10.0)}
@@ -240,17 +260,13 @@ SPOOL_TARGET = 0.95  # issue 22: throughput with the write-ahead spool / without
 def bench(model: str, args) -> None:
     import torch
 
-    from pipeline.serving.runtime import AdapterSource, GenerationRequest, load_runtime
-    from pipeline.specs.loading import file_sha256
+    from pipeline.serving.runtime import GenerationRequest, load_runtime
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base, adapters = build_models(root, model, args)
-        sources = [
-            AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
-            for s, p in adapters.items()
-        ]
+        sources = adapter_sources(adapters)
         from pipeline.modeling.placement import placement
 
         where = placement(dtype=args.dtype, device=args.device)  # what a model spec's `dtype` gives
@@ -347,25 +363,10 @@ def bench(model: str, args) -> None:
 
 def grammar_runtime(model: str, root: Path, args):
     """The base model alone (no adapters) as a runtime, for the structured-output measurements."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from pipeline.environment.tinymodel import TinyModelConfig, _model_config, build_tokenizer
     from pipeline.modeling.placement import placement
     from pipeline.serving.runtime import load_runtime
 
-    if model == "real":
-        from bench.realproportions import ensure_real_model
-
-        base = ensure_real_model(args.cache)
-    elif args.model_dir is not None and (args.model_dir / "config.json").is_file():
-        base = args.model_dir
-    else:
-        base = root / "grammar-base"
-        torch.manual_seed(0)
-        tok = build_tokenizer()
-        LlamaForCausalLM(_model_config(TinyModelConfig(), tok)).save_pretrained(base)
-        tok.save_pretrained(base)
+    base = base_model(root / "grammar-base", model, args)
     where = placement(dtype=args.dtype, device=args.device)
     return load_runtime(base, [], specialists=list(SPECIALISTS), where=where)
 
@@ -445,29 +446,6 @@ def bench_grammar(model: str, args) -> None:
     print(f"{model} structured outputs: {time.perf_counter() - started:.0f} s")
 
 
-async def post_latency(url: str, path: str, bodies: list[dict], clients: int) -> tuple[list[float], float]:
-    """Latency of each ``POST path`` (one body each) sent by ``clients`` concurrent clients; wall seconds."""
-    import httpx
-
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    latencies: list[float] = []
-
-    async def client(http: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            body = queue.get_nowait()
-            t0 = time.perf_counter()
-            r = await http.post(path, json=body)
-            r.raise_for_status()
-            latencies.append(time.perf_counter() - t0)
-
-    started = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        await asyncio.gather(*[client(http) for _ in range(clients)])
-    return latencies, time.perf_counter() - started
-
-
 def champion_registry(root: Path, base: Path, sources) -> str:
     """A SQLite registry under ``root`` whose champion serves ``base`` with ``sources`` (the demo harness)."""
     from pipeline.registry import (
@@ -483,7 +461,7 @@ def champion_registry(root: Path, base: Path, sources) -> str:
     )
     from pipeline.specs.harness import load_harness
 
-    url = f"sqlite:///{root / 'latency.db'}"
+    url = f"sqlite:///{root / 'bench.db'}"
     upgrade_db(url)
     harness = load_harness(Path(__file__).resolve().parent.parent / "harnesses" / "demo.yaml")
     with session_scope(get_engine(url)) as s:
@@ -502,7 +480,7 @@ def champion_registry(root: Path, base: Path, sources) -> str:
                 target_modules=list(src.target_modules),
                 artifact_uri=str(src.path),
                 sha256=src.sha256,
-                artifact_root=root,
+                artifact_root=root,  # the run's temporary directory is its artifact store
             ).id
             for src in sources
         }
@@ -523,17 +501,12 @@ def bench_responses(model: str, args) -> None:
     prompts on one server (the same turn pipeline behind both), one client at a time and with
     ``--latency-clients`` concurrent clients, in interleaved rounds (best of ``--http-rounds``); the ratio
     responses / chat of each figure. Every request decodes exactly ``--new-tokens`` tokens."""
-    from pipeline.serving.runtime import AdapterSource
     from pipeline.serving.served import ServeConfig
     from pipeline.serving.server import create_app
-    from pipeline.specs.loading import file_sha256
 
     texts = [t for _, t in prompts(args.requests)]
     bodies = {
-        "chat": [
-            {"model": "ratchet", "messages": [{"role": "user", "content": t}], "max_tokens": args.new_tokens}
-            for t in texts
-        ],
+        "chat": chat_bodies(texts, args.new_tokens),
         "responses": [{"model": "ratchet", "input": t, "max_output_tokens": args.new_tokens} for t in texts],
     }
     paths = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -542,10 +515,7 @@ def bench_responses(model: str, args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base, adapters = build_models(root, model, args)
-        sources = [
-            AdapterSource(s, p, file_sha256(p / "adapter_model.safetensors"), 16, tuple(_targets(p)))
-            for s, p in adapters.items()
-        ]
+        sources = adapter_sources(adapters)
         config = ServeConfig(
             registry_url=champion_registry(root, base, sources),
             device=args.device,
@@ -711,53 +681,10 @@ def run_http(
     """Per recording mode (``spool``: every turn fsynced to the write-ahead spool before its answer;
     ``memory``: turns wait for the registry in memory only), the latencies and wall seconds of the HTTP
     run, best of ``--http-rounds`` interleaved rounds (each a fresh server on the same registry)."""
-    from pipeline.registry import (
-        create_adapter,
-        create_generation,
-        get_engine,
-        promote_generation,
-        register_base_model,
-        register_contract,
-        register_harness,
-        session_scope,
-        upgrade_db,
-    )
     from pipeline.serving.served import ServeConfig
     from pipeline.serving.server import create_app
-    from pipeline.specs.harness import load_harness
 
-    url = f"sqlite:///{root / 'bench.db'}"
-    upgrade_db(url)
-    harness = load_harness(Path(__file__).resolve().parent.parent / "harnesses" / "demo.yaml")
-    with session_scope(get_engine(url)) as s:
-        b = register_base_model(session=s, name=base.name, path=str(base), spec={})
-        hv = register_harness(
-            session=s, name=harness.name, version=harness.version, spec=harness.model_dump(mode="json")
-        )
-        cv = register_contract(session=s, name="bench", version="1", spec={})
-        ids = {
-            src.specialist: create_adapter(
-                session=s,
-                specialist=src.specialist,
-                base_model_id=b.id,
-                rank=src.rank,
-                alpha=32,
-                target_modules=list(src.target_modules),
-                artifact_uri=str(src.path),
-                sha256=src.sha256,
-                artifact_root=root,  # the run's temporary directory is its artifact store
-            ).id
-            for src in sources
-        }
-        gen = create_generation(
-            session=s,
-            base_model_id=b.id,
-            harness_version_id=hv.id,
-            contract_version_id=cv.id,
-            specialists=list(SPECIALISTS),
-            adapters=ids,
-        )
-        promote_generation(session=s, generation=gen)
+    url = champion_registry(root, base, sources)
     modes = ("spool", "memory") if args.spool_compare else ("spool",)
     configs = {
         mode: ServeConfig(
@@ -771,7 +698,7 @@ def run_http(
         )
         for mode in modes
     }
-    texts = [t for _, t in items] * max(1, args.http_repeat)
+    bodies = chat_bodies([t for _, t in items] * max(1, args.http_repeat), args.new_tokens)
     best: dict[str, tuple[list[float], float]] = {}
     for _round in range(args.http_rounds):  # interleaved rounds, best of each: the same machine load
         for mode in modes:
@@ -781,8 +708,8 @@ def run_http(
                 runtime.end_ids = set()
                 if runtime.segmented is not None:
                     runtime.segmented.mode = mode_name
-                asyncio.run(http_latency(srv.url, texts[:8], 8, args.new_tokens))  # warm-up
-                lat, wall = asyncio.run(http_latency(srv.url, texts, args.clients, args.new_tokens))
+                asyncio.run(post_latency(srv.url, "/v1/chat/completions", bodies[:8], 8))  # warm-up
+                lat, wall = asyncio.run(post_latency(srv.url, "/v1/chat/completions", bodies, args.clients))
                 assert app.state.ratchet.recorder.flush(60), "served turns were not stored"
             if mode not in best or wall < best[mode][1]:
                 best[mode] = (lat, wall)

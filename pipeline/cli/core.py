@@ -9,7 +9,7 @@ import typer
 
 from pipeline.cli.app import app
 from pipeline.errors import NotFoundError, RatchetError
-from pipeline.experience.ingest import ingest_file
+from pipeline.experience.ingest import IngestResult, ingest_file
 from pipeline.experience.principals import OPERATOR
 from pipeline.experience.sources.intake import import_turns
 from pipeline.experience.sources.langfusetraces import langfuse_turns
@@ -200,6 +200,14 @@ def ingest(
         )
         if gen is not None:
             gen_id, harness_id = gen.id, gen.harness_version_id
+    stored_as = {
+        "session_factory": lambda: session_scope(engine),
+        "source": source,
+        "principal": principal,
+        "generation_id": gen_id,
+        "harness_version_id": harness_id,
+        "batch_size": batch_size,
+    }
     failed = False
     if from_ != "jsonl":
         for path in files or [None]:
@@ -209,21 +217,7 @@ def ingest(
             turns = _turns(
                 from_, path, experiment=experiment, filter_string=filter_, tracking_uri=tracking_uri
             )
-            result = import_turns(
-                turns,
-                label=label,
-                session_factory=lambda: session_scope(engine),
-                source=source,
-                principal=principal,
-                generation_id=gen_id,
-                harness_version_id=harness_id,
-                batch_size=batch_size,
-            )
-            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(result.reasons.items()))
-            typer.echo(
-                f"{label}: {result.lines} turns: {result.stored} stored, {result.duplicate} duplicate, "
-                f"{result.quarantined} quarantined" + (f" ({reasons})" if reasons else "")
-            )
+            _report(import_turns(turns, label=label, **stored_as), "turns")
         return
     for path in files:
         with Progress(
@@ -237,22 +231,22 @@ def ingest(
             task = bar.add_task(f"ingest {path.name}", total=None)
             result = ingest_file(
                 path,
-                session_factory=lambda: session_scope(engine),
-                source=source,
-                principal=principal,
-                generation_id=gen_id,
-                harness_version_id=harness_id,
-                batch_size=batch_size,
+                **stored_as,
                 progress=lambda done, total, task=task: bar.update(task, completed=done, total=total),
             )
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(result.reasons.items()))
-        typer.echo(
-            f"{path}: {result.lines} lines: {result.stored} stored, {result.duplicate} duplicate, "
-            f"{result.quarantined} quarantined" + (f" ({reasons})" if reasons else "")
-        )
+        _report(result, "lines")
         failed |= result.lines == 0
     if failed:
         raise RatchetError("no traces found in at least one file (expected one JSON object per line)")
+
+
+def _report(result: IngestResult, unit: str) -> None:
+    """One line: what an ingest or import of one source stored, found again and quarantined (and why)."""
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(result.reasons.items()))
+    typer.echo(
+        f"{result.file}: {result.lines} {unit}: {result.stored} stored, {result.duplicate} duplicate, "
+        f"{result.quarantined} quarantined" + (f" ({reasons})" if reasons else "")
+    )
 
 
 @app.command("score")

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -411,13 +411,63 @@ def ingest_file(
     # a file name that is not UTF-8 (Linux allows any bytes) is kept with its odd bytes escaped
     source_file = os.fsencode(path).decode("utf-8", errors="backslashreplace")
     total = os.path.getsize(path)
-    result = IngestResult(file=str(path))
+    done = 0
+
+    def entries() -> Iterator[tuple[int, bytes | None, TraceRow | str, str | None]]:
+        nonlocal done
+        for number, raw, problem, digest in iter_lines(path, max_line_bytes=max_line_bytes):
+            done += len(raw) if raw is not None else 0
+            if raw is not None and not raw.strip():
+                continue  # blank lines (e.g. a trailing newline) are not traces
+            if problem is None:
+                try:
+                    row = trace_row(
+                        parse_line(raw),
+                        source=source,
+                        generation_id=generation_id,
+                        harness_version_id=harness_version_id,
+                        principal=principal,
+                    )
+                except TraceError as exc:
+                    problem = str(exc)
+                else:
+                    yield number, raw, row, digest
+                    continue
+            yield number, raw, problem, digest
+
+    result = store_traces(
+        entries(),
+        result=IngestResult(file=str(path)),
+        source_file=source_file,
+        session_factory=session_factory,
+        batch_size=batch_size,
+        after_batch=(lambda: progress(done, total)) if progress else None,
+    )
+    log.info("ingested %s: %s", path, result)
+    return result
+
+
+def store_traces(
+    entries: Iterable[tuple[int, bytes | None, TraceRow | str, str | None]],
+    *,
+    result: IngestResult,
+    source_file: str,
+    session_factory: Callable[[], Any],
+    batch_size: int,
+    after_batch: Callable[[], None] | None = None,
+) -> IngestResult:
+    """Store ``entries`` into ``result``'s counts, in batches of ``batch_size`` each committed on its own.
+
+    An entry is ``(number, raw, row or the reason it cannot be one, sha256 of raw or None)``: a row already
+    stored (or already in its batch) counts as a duplicate; a reason is quarantined under ``source_file``
+    once per number and content (a rerun after a crash adds no second row). ``after_batch`` is called
+    after every batch is committed.
+    """
     with session_factory() as session:
         earlier = quarantined_lines(session=session, source_file=source_file)
     rows: list[TraceRow] = []
     bad: list[tuple[int, str, str, str]] = []
     seen: set[str] = set()
-    done = 0
 
     def flush() -> None:
         with session_factory() as session:
@@ -428,43 +478,27 @@ def ingest_file(
         result.duplicate += len(rows) - stored
         rows.clear()
         bad.clear()
-        if progress:
-            progress(done, total)
+        if after_batch:
+            after_batch()
 
-    for number, raw, problem, digest in iter_lines(path, max_line_bytes=max_line_bytes):
+    for number, raw, row, digest in entries:
         result.lines += 1
-        done += len(raw) if raw is not None else 0
-        if raw is not None and not raw.strip():
-            result.lines -= 1  # blank lines (e.g. a trailing newline) are not traces
-            continue
-        if problem is None:
-            try:
-                row = trace_row(
-                    parse_line(raw),
-                    source=source,
-                    generation_id=generation_id,
-                    harness_version_id=harness_version_id,
-                    principal=principal,
-                )
-            except TraceError as exc:
-                problem = str(exc)
+        if isinstance(row, TraceRow):
+            if row.content_hash in seen:
+                result.duplicate += 1
             else:
-                if row.content_hash in seen:
-                    result.duplicate += 1
-                else:
-                    seen.add(row.content_hash)
-                    rows.append(row)
-        if problem is not None:
+                seen.add(row.content_hash)
+                rows.append(row)
+        else:
             result.quarantined += 1
-            kind = reason_kind(problem)
+            kind = reason_kind(row)
             result.reasons[kind] = result.reasons.get(kind, 0) + 1
             digest = digest or hashlib.sha256(raw or b"").hexdigest()
             if not already_quarantined(earlier, number, digest):
-                reason = problem if len(problem) <= REASON_KEEP else problem[: REASON_KEEP - 3] + "..."
+                reason = row if len(row) <= REASON_KEEP else row[: REASON_KEEP - 3] + "..."
                 bad.append((number, reason, quarantine_text(raw), digest))
         if len(rows) >= batch_size or len(bad) >= batch_size:
             flush()
             seen.clear()
     flush()
-    log.info("ingested %s: %s", path, result)
     return result

@@ -50,7 +50,7 @@ from pipeline.experience.toolcalls import assistant_message
 from pipeline.modeling.grammar import GrammarSpec
 from pipeline.serving.access import Access
 from pipeline.serving.adapters import CONFIG, WEIGHTS, AdapterSource
-from pipeline.serving.completions import logprobs_body
+from pipeline.serving.completions import call_deltas, logprobs_body
 from pipeline.serving.constraints import checked_grammar, logprobs_wanted
 from pipeline.serving.engines import EmbeddedEngine, EngineRequest, EngineResult
 from pipeline.serving.limits import read_body, watch_disconnect
@@ -330,20 +330,7 @@ def _deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A read-back reply as stream deltas: its text, or each call's head then its arguments (OpenAI's)."""
     if not message.get("tool_calls"):
         return [{"content": message["content"]}] if message.get("content") else []
-    out = []
-    for k, call in enumerate(message["tool_calls"]):
-        fn = call["function"]
-        head = {
-            "index": k,
-            "id": call["id"],
-            "type": "function",
-            "function": {"name": fn["name"], "arguments": ""},
-        }
-        out += [
-            {"tool_calls": [head]},
-            {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]},
-        ]
-    return out
+    return call_deltas(message["tool_calls"])
 
 
 def _logprobs(result: EngineResult) -> dict[str, Any] | None:

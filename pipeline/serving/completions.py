@@ -132,14 +132,11 @@ def _delta(index: int, delta: dict[str, Any], finish: str | None = None, **extra
     return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
 
 
-def _ending(first: ChatTurn, turn: ChatTurn, reply: Reply, buffered: bool) -> list[str]:
-    """The last chunks of one choice: its buffered text or tool calls, then its finish reason (with its
-    logprobs and token ids when asked for)."""
-    message, finish, result = reply
-    out, i = [], turn.choice
-    if buffered and message.get("content"):
-        out.append(_chunk(first, [_delta(i, {"content": message["content"]})]))
-    for k, call in enumerate(message.get("tool_calls") or []):
+def call_deltas(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Finished tool calls as stream deltas, OpenAI's way: each call's head (id, name, no arguments), then
+    its arguments."""
+    out = []
+    for k, call in enumerate(tool_calls):
         fn = call["function"]
         head = {
             "index": k,
@@ -147,12 +144,21 @@ def _ending(first: ChatTurn, turn: ChatTurn, reply: Reply, buffered: bool) -> li
             "type": "function",
             "function": {"name": fn["name"], "arguments": ""},
         }
-        out.append(_chunk(first, [_delta(i, {"tool_calls": [head]})]))
-        out.append(
-            _chunk(
-                first, [_delta(i, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})]
-            )
-        )
+        out += [
+            {"tool_calls": [head]},
+            {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]},
+        ]
+    return out
+
+
+def _ending(first: ChatTurn, turn: ChatTurn, reply: Reply, buffered: bool) -> list[str]:
+    """The last chunks of one choice: its buffered text or tool calls, then its finish reason (with its
+    logprobs and token ids when asked for)."""
+    message, finish, result = reply
+    out, i = [], turn.choice
+    if buffered and message.get("content"):
+        out.append(_chunk(first, [_delta(i, {"content": message["content"]})]))
+    out += [_chunk(first, [_delta(i, delta)]) for delta in call_deltas(message.get("tool_calls") or [])]
     last = _delta(i, {}, finish, **_ids(turn, result))
     last["logprobs"] = logprobs_body(result)
     out.append(_chunk(first, [last], **_prompt_ids(turn, result)))

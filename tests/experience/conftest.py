@@ -5,30 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import openai
 import pytest
-from serving.support import (
-    SPECIALISTS,
-    TOOL_ANSWER,
-    TOOL_VIEW,
-    build_adapter,
-    build_base,
-    register_generation,
-)
+from serving.support import build_artifacts, champion_registry, serve_process, wait_healthy
 
 from experience.support import TOOLS
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -37,33 +19,9 @@ def served(tmp_path_factory):
     ``mlflow.openai.autolog()``, with a feedback, a correction and an expectation on the tool episode."""
     import mlflow
 
-    from pipeline.registry import upgrade_db
-
     root = tmp_path_factory.mktemp("served")
-    base = build_base(root / "base")
-    adapters = {}
-    for i, s in enumerate(SPECIALISTS):
-        train = [*TOOL_VIEW, {"role": "assistant", "content": TOOL_ANSWER}] if s == "agent" else None
-        adapters[s] = build_adapter(base, root / f"adapter-{s}", seed=10 + i, train=train)
-    url = f"sqlite:///{root / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, {"base": base, "adapters": adapters, "root": root})
-    port = _port()
-    env = {
-        **os.environ,
-        "RATCHET_DATABASE_URL": url,
-        "RATCHET_HOME": str(root / "home"),
-        "RATCHET_DEVICE": "cpu",
-        "RATCHET_API_KEY": "k",
-    }
-    cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--poll-seconds", "0", "--threads", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    url = champion_registry(root, build_artifacts(root))
+    proc, port = serve_process(url, root / "home", api_key="k")
     tracking = f"sqlite:///{root / 'mlflow.db'}"
     experiment = mlflow.MlflowClient(tracking).create_experiment("agent-traffic")
     # MLflow's settings for this traffic only, as environment (set_tracking_uri / set_experiment would stay
@@ -78,16 +36,7 @@ def served(tmp_path_factory):
     os.environ.update(settings)
     mlflow.tracing.reset()  # the tracer exports where the environment now says
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+        wait_healthy(proc, port)
         mlflow.openai.autolog()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k")
         plain = client.chat.completions.create(

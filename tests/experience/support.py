@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
+from serving.support import HARNESS
 from sqlalchemy import select
 
 from pipeline.registry import Experience, Quarantine, get_engine, session_scope
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "set_timer",
-            "description": "Start a timer.",
-            "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}},
-        },
-    }
-]
+TOOLS = HARNESS["tools"]  # the tools the served agent offers
 
 
 def stored_rows() -> list[Experience]:

@@ -9,6 +9,7 @@ from conftest import run_cli
 
 from experience.support import TOOLS, quarantined, stored_rows
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "set_timer", "arguments": '{"minutes":7}'}}
 LANGFUSE = [
     {
         "id": "lf-trace-1",
@@ -31,17 +32,7 @@ LANGFUSE = [
                 "input": {
                     "messages": [
                         {"role": "user", "content": "timer 3+4"},
-                        {
-                            "role": "assistant",
-                            "content": None,
-                            "tool_calls": [
-                                {
-                                    "id": "c1",
-                                    "type": "function",
-                                    "function": {"name": "set_timer", "arguments": '{"minutes":7}'},
-                                }
-                            ],
-                        },
+                        {"role": "assistant", "content": None, "tool_calls": [CALL]},
                         {"role": "tool", "tool_call_id": "c1", "content": "started"},
                     ],
                     "tools": TOOLS,
@@ -56,17 +47,7 @@ LANGFUSE = [
                 "startTime": "2026-12-01T10:00:01.000Z",
                 "model": "ratchet",
                 "input": {"messages": [{"role": "user", "content": "timer 3+4"}], "tools": TOOLS},
-                "output": {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "c1",
-                            "type": "function",
-                            "function": {"name": "set_timer", "arguments": '{"minutes":7}'},
-                        }
-                    ],
-                },
+                "output": {"role": "assistant", "content": None, "tool_calls": [CALL]},
             },
             {
                 "id": "span-1",

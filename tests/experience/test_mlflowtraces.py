@@ -11,16 +11,13 @@ from experience.support import TOOLS, by_origin, quarantined, stored_rows
 from pipeline.registry import get_engine, session_scope
 
 
+def ingest_args(served, experiment: str = "agent-traffic") -> list[str]:
+    """``ratchet ingest`` of ``experiment`` in the served tracking server."""
+    return ["ingest", "--from", "mlflow", "--experiment", experiment, "--tracking-uri", served["tracking"]]
+
+
 def test_mlflow_traces_of_a_served_agent_import_into_another_registry(served, capsys):
-    args = [
-        "ingest",
-        "--from",
-        "mlflow",
-        "--experiment",
-        "agent-traffic",
-        "--tracking-uri",
-        served["tracking"],
-    ]
+    args = ingest_args(served)
     assert run_cli(args) == 0
     assert "5 turns: 5 stored, 0 duplicate, 0 quarantined" in capsys.readouterr().out
     rows = stored_rows()
@@ -59,15 +56,7 @@ def test_mlflow_traces_of_a_served_agent_import_into_another_registry(served, ca
 
 
 def test_mlflow_responses_api_spans_become_chat_turns(served):
-    args = [
-        "ingest",
-        "--from",
-        "mlflow",
-        "--experiment",
-        "agent-traffic",
-        "--tracking-uri",
-        served["tracking"],
-    ]
+    args = ingest_args(served)
     assert run_cli(args) == 0
     traces = by_origin(stored_rows())
     (answered_trace, answered), (continued_trace, continued) = served["responses"].items()
@@ -109,15 +98,7 @@ def test_mlflow_assessments_count_only_as_the_principal_may(served, principal, s
     if scopes:
         with session_scope(get_engine()) as s:
             create_api_key(session=s, name=principal, scopes=parse_scopes(scopes), actor=OPERATOR)
-    args = [
-        "ingest",
-        "--from",
-        "mlflow",
-        "--experiment",
-        "agent-traffic",
-        "--tracking-uri",
-        served["tracking"],
-    ]
+    args = ingest_args(served)
     assert run_cli([*args, "--principal", principal]) == 0
     rows = stored_rows()
     assert {r.principal for r in rows} == {principal}
@@ -170,15 +151,7 @@ def test_an_mlflow_trace_without_a_chat_span_is_quarantined_once(served, capsys,
             span.set_inputs({"query": "x"})
     finally:
         mlflow.tracing.reset()
-    args = [
-        "ingest",
-        "--from",
-        "mlflow",
-        "--experiment",
-        "other-traffic",
-        "--tracking-uri",
-        served["tracking"],
-    ]
+    args = ingest_args(served, "other-traffic")
     for _ in range(2):
         assert run_cli(args) == 0
         assert "1 turns: 0 stored, 0 duplicate, 1 quarantined (no chat span: 1)" in capsys.readouterr().out

@@ -4,36 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from serving.support import (
-    SPECIALISTS,
-    TOOL_ANSWER,
-    TOOL_VIEW,
-    build_adapter,
-    build_base,
-    register_generation,
-)
+from serving.support import build_artifacts, champion_registry
 
 
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory) -> dict:
     """Base model dir and one adapter dir per specialist (built once per session)."""
-    root = tmp_path_factory.mktemp("tiny")
-    base = build_base(root / "base")
-    adapters = {}
-    for i, s in enumerate(SPECIALISTS):
-        train = [*TOOL_VIEW, {"role": "assistant", "content": TOOL_ANSWER}] if s == "agent" else None
-        adapters[s] = build_adapter(base, root / f"adapter-{s}", seed=10 + i, train=train)
-    return {"base": base, "adapters": adapters, "root": root}
+    return build_artifacts(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture
 def registry(tmp_path, tiny_artifacts) -> str:
-    from pipeline.registry import upgrade_db
-
-    url = f"sqlite:///{tmp_path / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
-    return url
+    return champion_registry(tmp_path, tiny_artifacts)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import httpx
 
 SPECIALISTS = ("chat", "agent", "coding", "genui")
 RANK = 8
@@ -45,6 +51,42 @@ HARNESS = {
             "genui": {"positive": [{"pattern": "counter|progress", "weight": 1.5}]},
         },
         "guardrails": [{"pattern": "```", "route": "coding", "description": "code fences go to coding"}],
+    },
+}
+
+
+# what the OpenAI-surface tests send: a bounded schema (a random model's free string would never end), and
+# two client tools whose arguments are a lamp's state
+ASK = [{"role": "user", "content": "12+35=?"}]
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+LAMP = {
+    "type": "object",
+    "properties": {"on": {"type": "boolean"}},
+    "required": ["on"],
+    "additionalProperties": False,
+}
+CLIENT_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "set_timer", "description": "Start a timer.", "parameters": LAMP},
+    },
+    {"type": "function", "function": {"name": "lamp", "description": "Switch the lamp.", "parameters": LAMP}},
+]
+# a tool whose arguments are bounded (constrained decoding tests)
+TIMER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_timer",
+        "parameters": {
+            "type": "object",
+            "properties": {"minutes": {"type": "integer", "minimum": 0, "maximum": 60}},
+            "required": ["minutes"],
+        },
     },
 }
 
@@ -119,6 +161,17 @@ def build_adapter(
     return path
 
 
+def build_artifacts(root: Path) -> dict:
+    """The tiny base model and one random adapter per specialist under ``root`` (the agent's fit to answer
+    ``TOOL_VIEW`` with ``TOOL_ANSWER``), as ``register_generation`` takes them."""
+    base = build_base(root / "base")
+    adapters = {}
+    for i, s in enumerate(SPECIALISTS):
+        train = [*TOOL_VIEW, {"role": "assistant", "content": TOOL_ANSWER}] if s == "agent" else None
+        adapters[s] = build_adapter(base, root / f"adapter-{s}", seed=10 + i, train=train)
+    return {"base": base, "adapters": adapters, "root": root}
+
+
 def register_generation(
     url: str,
     artifacts: dict,
@@ -184,18 +237,87 @@ def register_generation(
         return gen.number
 
 
+def champion_registry(directory: Path, artifacts: dict, **options) -> str:
+    """A SQLite registry in ``directory`` whose promoted generation serves ``artifacts`` (``options``: as
+    ``register_generation`` takes them); its URL."""
+    from pipeline.registry import upgrade_db
+
+    url = f"sqlite:///{directory / 'serve.db'}"
+    upgrade_db(url)
+    register_generation(url, artifacts, **options)
+    return url
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_process(
+    url: str, home: Path, *, api_key: str, stdout=subprocess.PIPE
+) -> tuple[subprocess.Popen, int]:
+    """``ratchet serve`` as a process on 127.0.0.1 (a free port) over the registry ``url``, on the CPU with
+    one torch thread and no polling, its output (and errors) to ``stdout``; the process and its port."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "RATCHET_DATABASE_URL": url,
+        "RATCHET_HOME": str(home),
+        "RATCHET_DEVICE": "cpu",
+        "RATCHET_API_KEY": api_key,
+    }
+    cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--port", str(port)]
+    cmd += ["--poll-seconds", "0", "--threads", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True)
+    return proc, port
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, *, seconds: float = 60, output=None) -> None:
+    """Until the server ``proc`` on ``port`` answers ``/health``; it failing first fails with ``output()``
+    (default: what it wrote to its pipe)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, output() if output else proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.1)
+
+
+def grammar_rows(
+    rt, n: int, grammar, *, prompt: str = "answer {k}", new_tokens: int = 96, logprobs=None
+) -> list:
+    """``n`` rows of the base model under ``grammar`` (None: free), the ``k``-th asking ``prompt``: row 0
+    greedy, the others sampled with their seeds."""
+    from pipeline.serving.runtime import BASE, GenerationRequest
+
+    return [
+        GenerationRequest(
+            BASE,
+            tuple(rt.encode([{"role": "user", "content": prompt.format(k=k)}])),
+            new_tokens,
+            temperature=0.0 if k == 0 else 1.0,
+            seed=k,
+            grammar=grammar,
+            logprobs=logprobs,
+        )
+        for k in range(n)
+    ]
+
+
 class ServerThread:
     """A real uvicorn server on 127.0.0.1 (random free port) in a background thread."""
 
     def __init__(self, app):
-        import socket
         import threading
 
         import uvicorn
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -205,8 +327,6 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ServerThread:
-        import time
-
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -227,6 +347,17 @@ def experience_rows(url: str) -> list:
 
     with session_scope(get_engine(url)) as s:
         return list(s.scalars(select(Experience).order_by(Experience.id)))
+
+
+def rows_by_id(url: str, *ids: str) -> dict:
+    """The stored turns by completion id, once ``ids`` are among them (a turn is spooled before it is
+    answered and stored within ``flush_seconds``; at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        rows = {e.completion_id: e for e in experience_rows(url)}
+        if all(i in rows for i in ids) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
 
 
 def api_keys(url: str, **scopes: str) -> dict[str, dict[str, str]]:

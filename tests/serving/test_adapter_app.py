@@ -15,41 +15,16 @@ import pytest
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import ServerThread, register_generation
+from serving.support import ANSWER_SCHEMA, ASK, CLIENT_TOOLS, LAMP, ServerThread, champion_registry
 
 KEY = "engine-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "chat-g0"
-ASK = [{"role": "user", "content": "12+35=?"}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
-    "required": ["ok", "size"],
-    "additionalProperties": False,
-}
-LAMP = {
-    "type": "object",
-    "properties": {"on": {"type": "boolean"}},
-    "required": ["on"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "set_timer", "description": "Start a timer.", "parameters": LAMP},
-    },
-    {"type": "function", "function": {"name": "lamp", "description": "Switch the lamp.", "parameters": LAMP}},
-]
 
 
 @pytest.fixture(scope="module")
 def registry_url(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('adapter-app') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
-    return url
+    return champion_registry(tmp_path_factory.mktemp("adapter-app"), tiny_artifacts)
 
 
 @pytest.fixture(scope="module")
@@ -102,26 +77,26 @@ def streamed(client, **body) -> list[dict]:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_response_format_json_schema_is_enforced(client, seed):
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
     choice = post(client, response_format=fmt, max_tokens=60, temperature=1.0, seed=seed)["choices"][0]
     assert choice["finish_reason"] == "stop", choice
-    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    jsonschema.validate(json.loads(choice["message"]["content"]), ANSWER_SCHEMA)
 
 
 def test_response_format_json_object_is_enforced_streamed_too(client):
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
     chunks = streamed(client, response_format=fmt, max_tokens=60, temperature=1.0, seed=4)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    jsonschema.validate(json.loads(text), SCHEMA)
+    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
     body = post(client, response_format={"type": "json_object"}, max_tokens=60, temperature=1.0, seed=4)
     assert isinstance(json.loads(body["choices"][0]["message"]["content"]), dict)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_tool_choice_required_gives_native_tool_calls(client, seed):
-    choice = post(client, tools=TOOLS, tool_choice="required", max_tokens=100, temperature=1.0, seed=seed)[
-        "choices"
-    ][0]
+    choice = post(
+        client, tools=CLIENT_TOOLS, tool_choice="required", max_tokens=100, temperature=1.0, seed=seed
+    )["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     calls = choice["message"]["tool_calls"]
     assert calls and choice["message"]["content"] is None
@@ -133,7 +108,7 @@ def test_tool_choice_required_gives_native_tool_calls(client, seed):
 
 def test_named_tool_choice_streams_one_call_of_that_tool(client):
     named = {"type": "function", "function": {"name": "lamp"}}
-    body = {"tools": TOOLS, "tool_choice": named, "parallel_tool_calls": False, "max_tokens": 100}
+    body = {"tools": CLIENT_TOOLS, "tool_choice": named, "parallel_tool_calls": False, "max_tokens": 100}
     chunks = streamed(client, **body, temperature=1.0, seed=5)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
@@ -145,7 +120,7 @@ def test_named_tool_choice_streams_one_call_of_that_tool(client):
 
 
 def test_logprobs_have_no_end_token_entry(client):
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
     body = post(client, response_format=fmt, logprobs=True, top_logprobs=2, max_tokens=60, seed=1)
     choice = body["choices"][0]
     content = choice["logprobs"]["content"]
@@ -164,7 +139,9 @@ def test_what_it_does_not_do_is_a_400_naming_the_parameter(client):
     refused(client, "frequency_penalty", frequency_penalty=0.5)
     refused(client, "logit_bias", logit_bias={"5": 10})
     refused(client, "top_logprobs", top_logprobs=2)  # without logprobs
-    refused(client, "tool_choice", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    refused(
+        client, "tool_choice", tools=CLIENT_TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
+    )
     refused(client, "tool_choice", tool_choice="required")  # nothing to call
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     refused(client, "response_format", response_format=bad)
@@ -184,13 +161,13 @@ def test_a_front_with_the_external_engine_gets_the_parameters_enforced(engine, r
     )
     with ServerThread(create_app(config)) as front:
         sdk = openai.OpenAI(base_url=front.url + "/v1", api_key="unused", max_retries=0)
-        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
         done = sdk.chat.completions.create(
             model="ratchet", messages=ASK, response_format=fmt, max_tokens=60, temperature=1.0, seed=2
         )
-        jsonschema.validate(json.loads(done.choices[0].message.content), SCHEMA)
+        jsonschema.validate(json.loads(done.choices[0].message.content), ANSWER_SCHEMA)
         called = sdk.chat.completions.create(
-            model="ratchet", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=100, seed=3
+            model="ratchet", messages=ASK, tools=CLIENT_TOOLS, tool_choice="required", max_tokens=100, seed=3
         )
         calls = called.choices[0].message.tool_calls
         assert calls and called.choices[0].finish_reason == "tool_calls"

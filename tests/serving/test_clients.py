@@ -14,17 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-import httpx
 import litellm
 import openai
 import pytest
@@ -45,7 +39,15 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from serving.support import HARNESS, SPECIALISTS, build_adapter, build_base, register_generation
+from serving.support import (
+    HARNESS,
+    SPECIALISTS,
+    build_adapter,
+    build_base,
+    champion_registry,
+    serve_process,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.filterwarnings("error:Pydantic serializer warnings:UserWarning")
 
@@ -68,8 +70,6 @@ class Forecast(BaseModel):
 def server(tmp_path_factory) -> Iterator[str]:
     """``ratchet serve`` as a process (one per module) on a registry whose champion is the tiny model;
     yields the OpenAI base URL."""
-    from pipeline.registry import upgrade_db
-
     root = tmp_path_factory.mktemp("clients")
     base = build_base(root / "base")
     config = json.loads((base / "config.json").read_text())
@@ -82,34 +82,11 @@ def server(tmp_path_factory) -> Iterator[str]:
         },
         "context": {**HARNESS["context"], "max_context_tokens": POSITIONS},
     }
-    url = f"sqlite:///{root / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, {"base": base, "adapters": adapters, "root": root}, harness=harness)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {
-        **os.environ,
-        "RATCHET_DATABASE_URL": url,
-        "RATCHET_HOME": str(root / "home"),
-        "RATCHET_DEVICE": "cpu",
-        "RATCHET_API_KEY": KEY,
-    }
-    cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--port", str(port)]
-    cmd += ["--poll-seconds", "0", "--threads", "1"]
+    url = champion_registry(root, {"base": base, "adapters": adapters, "root": root}, harness=harness)
     log = root / "serve.log"  # the server's own account of a failing test
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc, port = serve_process(url, root / "home", api_key=KEY, stdout=log.open("w"))
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ratchet serve did not start"
-            time.sleep(0.1)
+        wait_healthy(proc, port, seconds=90, output=log.read_text)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -21,8 +21,8 @@ from pipeline.modeling.grammar import (
     json_schema_grammar,
     tool_call_grammar,
 )
-from pipeline.serving.runtime import BASE, GenerationRequest, load_runtime
-from serving.support import build_base
+from pipeline.serving.runtime import load_runtime
+from serving.support import TIMER_TOOL, build_base, grammar_rows
 
 SCHEMA = {
     "type": "object",
@@ -50,18 +50,7 @@ WEATHER = {
         },
     },
 }
-TIMER = {
-    "type": "function",
-    "function": {
-        "name": "set_timer",
-        "parameters": {
-            "type": "object",
-            "properties": {"minutes": {"type": "integer", "minimum": 0, "maximum": 60}},
-            "required": ["minutes"],
-        },
-    },
-}
-TOOLS = [WEATHER, TIMER]
+TOOLS = [WEATHER, TIMER_TOOL]
 
 
 @pytest.fixture(scope="module", params=["tiny", "real"])
@@ -71,17 +60,8 @@ def runtime(request, tmp_path_factory):
     return load_runtime(base, [], specialists=["chat"], device="cpu")
 
 
-def _rows(rt, n, grammar, *, new_tokens=96, logprobs=None):
-    out = []
-    for k in range(n):
-        ids = tuple(rt.encode([{"role": "user", "content": f"answer {k} in JSON"}]))
-        temperature = 0.0 if k == 0 else 1.0  # one greedy row, the others sampled with their seeds
-        out.append(
-            GenerationRequest(
-                BASE, ids, new_tokens, temperature=temperature, seed=k, grammar=grammar, logprobs=logprobs
-            )
-        )
-    return out
+def _rows(rt, n, grammar, **kw):
+    return grammar_rows(rt, n, grammar, prompt="answer {k} in JSON", **kw)
 
 
 def test_json_schema_output_is_always_valid(runtime):
@@ -146,7 +126,7 @@ def test_tool_calls_parse_back_into_offered_tools(runtime, fmt, parallel):
 
 @pytest.mark.parametrize("fmt", ["json", "openai", "compact"])
 def test_a_named_tool_is_the_one_called(runtime, fmt):
-    spec = tool_call_grammar([TIMER], fmt=fmt, parallel=False)
+    spec = tool_call_grammar([TIMER_TOOL], fmt=fmt, parallel=False)
     for r in runtime.generate(_rows(runtime, 6, spec)):
         calls = assistant_message(r.text, ["get_weather", "set_timer"], fmt)["tool_calls"]
         assert [c["function"]["name"] for c in calls] == ["set_timer"]

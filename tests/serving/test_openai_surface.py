@@ -19,29 +19,9 @@ from pydantic import BaseModel
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import experience_rows
+from serving.support import ANSWER_SCHEMA, ASK, CLIENT_TOOLS, LAMP, champion_registry, experience_rows
 
-ASK = [{"role": "user", "content": "12+35=?"}]
 TIMER = [{"role": "user", "content": "timer 3+4"}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
-    "required": ["ok", "size"],
-    "additionalProperties": False,
-}
-LAMP = {
-    "type": "object",
-    "properties": {"on": {"type": "boolean"}},
-    "required": ["on"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "set_timer", "description": "Start a timer.", "parameters": LAMP},
-    },
-    {"type": "function", "function": {"name": "lamp", "description": "Switch the lamp.", "parameters": LAMP}},
-]
 
 
 class Answer(BaseModel):  # bounded: a random model's free string would never end
@@ -51,13 +31,7 @@ class Answer(BaseModel):  # bounded: a random model's free string would never en
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('surface') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
-    return url
+    return champion_registry(tmp_path_factory.mktemp("surface"), tiny_artifacts)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +84,11 @@ def sse_chunks(client, **body) -> list[dict]:
 # ------------------------------------------------------------------------------------- structured output
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_json_schema_response_format_gives_schema_valid_json(client, seed):
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
     body = post(client, response_format=fmt, max_tokens=60, temperature=1.0, seed=seed)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop", choice
-    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    jsonschema.validate(json.loads(choice["message"]["content"]), ANSWER_SCHEMA)
 
 
 def test_json_object_response_format_gives_a_json_object(client):
@@ -145,7 +119,7 @@ def test_an_invalid_response_format_is_a_400_naming_it(client, fmt):
 # ----------------------------------------------------------------------------------------------- tools
 @pytest.mark.parametrize("seed", [1, 2])
 def test_tool_choice_required_gives_a_call_of_an_offered_tool(client, seed):
-    body = post(client, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=1.0, seed=seed)
+    body = post(client, tools=CLIENT_TOOLS, tool_choice="required", max_tokens=80, temperature=1.0, seed=seed)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     for call in choice["message"]["tool_calls"]:
@@ -157,7 +131,7 @@ def test_named_tool_choice_calls_that_tool_once_without_parallel_calls(client):
     named = {"type": "function", "function": {"name": "lamp"}}
     for seed in (1, 2, 3):
         body = post(
-            client, tools=TOOLS, tool_choice=named, parallel_tool_calls=False, max_tokens=80,
+            client, tools=CLIENT_TOOLS, tool_choice=named, parallel_tool_calls=False, max_tokens=80,
             temperature=1.0, seed=seed,
         )  # fmt: skip
         calls = body["choices"][0]["message"]["tool_calls"]
@@ -166,12 +140,14 @@ def test_named_tool_choice_calls_that_tool_once_without_parallel_calls(client):
 
 
 def test_a_named_tool_not_offered_is_a_400(client):
-    refused(client, "tool_choice", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    refused(
+        client, "tool_choice", tools=CLIENT_TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
+    )
     refused(client, "tool_choice", tool_choice="required")  # nothing to call
 
 
 def test_tool_choice_none_answers_in_text(client):
-    body = post(client, messages=TIMER, tools=TOOLS, tool_choice="none", max_tokens=30)
+    body = post(client, messages=TIMER, tools=CLIENT_TOOLS, tool_choice="none", max_tokens=30)
     assert (
         "tool_calls" not in body["choices"][0]["message"]
         and body["choices"][0]["finish_reason"] != "tool_calls"
@@ -179,7 +155,7 @@ def test_tool_choice_none_answers_in_text(client):
 
 
 def test_streamed_tool_calls_assemble_into_the_same_call(client, sdk):
-    body = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0}
+    body = {"tools": CLIENT_TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0}
     plain = post(client, **body)["choices"][0]["message"]["tool_calls"]
     chunks = sse_chunks(client, **body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
@@ -276,9 +252,9 @@ def test_response_metadata_values_are_strings(client):
 
 
 def test_tools_and_conversation_id_are_stored_with_the_trace(client, app_url):
-    body = post(client, messages=TIMER, tools=TOOLS, max_tokens=30, metadata={"session_id": "sess-42"})
+    body = post(client, messages=TIMER, tools=CLIENT_TOOLS, max_tokens=30, metadata={"session_id": "sess-42"})
     row = stored(client, app_url, body["id"])
-    assert row.tools == TOOLS and row.conversation_id == "sess-42"
+    assert row.tools == CLIENT_TOOLS and row.conversation_id == "sess-42"
     other = post(client, metadata={"conversation_id": "c-1", "session_id": "ignored"}, max_tokens=2)
     assert stored(client, app_url, other["id"]).conversation_id == "c-1"
     long = post(client, metadata={"conversation_id": "x" * 101}, max_tokens=2)
@@ -352,7 +328,7 @@ def test_external_engine_gets_the_client_parameters_unchanged(app_url):
         plan_generation(get_engine(app_url), "main", "champion"), ServeConfig(**cfg), MicroBatchScheduler()
     )
     engine = BodyLog(create_adapter_app(served.engine))
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
     named = {"type": "function", "function": {"name": "lamp"}}
     with (
         ServerThread(engine) as engine_srv,
@@ -365,7 +341,7 @@ def test_external_engine_gets_the_client_parameters_unchanged(app_url):
         client.chat.completions.create(
             model="ratchet",
             messages=ASK,
-            tools=TOOLS,
+            tools=CLIENT_TOOLS,
             tool_choice=named,
             parallel_tool_calls=False,
             max_tokens=4,
@@ -376,7 +352,9 @@ def test_external_engine_gets_the_client_parameters_unchanged(app_url):
     first, second = [b for b in engine.bodies if b["max_tokens"] == 4]  # not the summaries' requests
     assert first["response_format"] == fmt and first["logprobs"] is True and first["top_logprobs"] == 2
     assert (
-        second["tool_choice"] == named and second["parallel_tool_calls"] is False and second["tools"] == TOOLS
+        second["tool_choice"] == named
+        and second["parallel_tool_calls"] is False
+        and second["tools"] == CLIENT_TOOLS
     )
 
 

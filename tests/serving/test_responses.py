@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Literal
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import ServerThread, api_keys, experience_rows
+from serving.support import ServerThread, api_keys, champion_registry, rows_by_id
 
 
 class Verdict(pydantic.BaseModel):
@@ -37,12 +36,7 @@ OPERATOR_KEY = "operator-key"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('responses') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
+    url = champion_registry(tmp_path_factory.mktemp("responses"), tiny_artifacts)
     keys = api_keys(url, alice="chat", bob="chat")
     config = ServeConfig(
         registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05, api_key=OPERATOR_KEY
@@ -54,17 +48,6 @@ def served(tmp_path_factory, tiny_artifacts):
 def sdk(served, who: str = "alice") -> openai.OpenAI:
     key = OPERATOR_KEY if who == "operator" else served["keys"][who]
     return openai.OpenAI(base_url=served["base"] + "/v1", api_key=key, max_retries=0)
-
-
-def rows_by_id(url: str, *ids: str) -> dict:
-    """The stored turns by completion id, once ``ids`` are among them (a turn is spooled before it is
-    answered and stored within ``flush_seconds``)."""
-    deadline = time.monotonic() + 10
-    while True:
-        rows = {e.completion_id: e for e in experience_rows(url)}
-        if all(i in rows for i in ids) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
 
 
 def test_plain_and_with_instructions(served):

@@ -10,20 +10,14 @@ from fastapi.testclient import TestClient
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import experience_rows
+from serving.support import champion_registry, experience_rows
 
 OK = {"model": "ratchet", "messages": [{"role": "user", "content": "12+35=?"}]}
 
 
 @pytest.fixture(scope="module")
 def shared_registry(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('server') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
-    return url
+    return champion_registry(tmp_path_factory.mktemp("server"), tiny_artifacts)
 
 
 @pytest.fixture(scope="module")

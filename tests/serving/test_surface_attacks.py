@@ -13,20 +13,14 @@ import pytest
 
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import ServerThread, api_keys, experience_rows
+from serving.support import ASK, ServerThread, api_keys, champion_registry, rows_by_id
 
 OPERATOR_KEY = "operator-key"
-ASK = [{"role": "user", "content": "12+35=?"}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('attacks') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
+    url = champion_registry(tmp_path_factory.mktemp("attacks"), tiny_artifacts)
     keys = api_keys(url, alice="chat", mallory="chat")
     config = ServeConfig(
         registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05, api_key=OPERATOR_KEY
@@ -41,42 +35,18 @@ def post(served, path: str, body: dict, who: str = "alice", timeout: float = 120
     return httpx.post(served["base"] + path, json=body, headers=served["headers"][who], timeout=timeout)
 
 
-def rows_by_id(url: str, *ids: str) -> dict:
-    deadline = time.monotonic() + 10
-    while True:
-        rows = {e.completion_id: e for e in experience_rows(url)}
-        if all(i in rows for i in ids) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
-
-
 def test_an_admin_continuing_a_conversation_never_gets_another_principals_turn(served):
     """Anyone may name any conversation id; continuing one must not put a turn mallory injected into it in the
     operator's prompt (nor store mallory's text as the operator's experience)."""
-    mine = post(
-        served,
-        "/v1/responses",
-        {
-            "model": "ratchet",
-            "input": "my own first turn",
-            "conversation": "conv-shared",
-            "max_output_tokens": 3,
-        },
-        who="operator",
-    )
-    assert mine.status_code == 200, mine.text
-    injected = post(
-        served,
-        "/v1/responses",
-        {
-            "model": "ratchet",
-            "input": "INJECTED by mallory",
-            "conversation": "conv-shared",
-            "max_output_tokens": 3,
-        },
-        who="mallory",
-    )
-    assert injected.status_code == 200, injected.text
+
+    def turn(text: str, who: str) -> httpx.Response:
+        body = {"model": "ratchet", "input": text, "conversation": "conv-shared", "max_output_tokens": 3}
+        reply = post(served, "/v1/responses", body, who=who)
+        assert reply.status_code == 200, reply.text
+        return reply
+
+    turn("my own first turn", "operator")
+    injected = turn("INJECTED by mallory", "mallory")
     chat = post(
         served,
         "/v1/chat/completions",
@@ -86,13 +56,7 @@ def test_an_admin_continuing_a_conversation_never_gets_another_principals_turn(s
     )  # fmt: skip
     assert chat.status_code == 200, chat.text
     rows_by_id(served["url"], injected.json()["id"], chat.json()["id"])
-    follow = post(
-        served,
-        "/v1/responses",
-        {"model": "ratchet", "input": "and next?", "conversation": "conv-shared", "max_output_tokens": 3},
-        who="operator",
-    )
-    assert follow.status_code == 200, follow.text
+    follow = turn("and next?", "operator")
     row = rows_by_id(served["url"], follow.json()["id"])[follow.json()["id"]]
     texts = [m.get("content") for m in row.messages]
     assert "my own first turn" in texts
@@ -133,12 +97,7 @@ def test_a_long_history_over_the_window_does_not_stall_other_clients(served, tur
 @pytest.fixture(scope="module")
 def small_bodies(tmp_path_factory, tiny_artifacts):
     """A server taking bodies of at most 32 KiB."""
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('small') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
+    url = champion_registry(tmp_path_factory.mktemp("small"), tiny_artifacts)
     config = ServeConfig(
         registry_url=url, device="cpu", poll_seconds=0, flush_seconds=0.05, max_body_bytes=32 << 10
     )

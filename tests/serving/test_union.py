@@ -15,17 +15,11 @@ from fastapi.testclient import TestClient
 from pipeline.experience.toolcalls import assistant_message
 from pipeline.modeling import grammar as G
 from pipeline.modeling.grammar import GrammarError, tool_call_grammar
-from pipeline.serving.runtime import BASE, GenerationRequest, load_runtime
+from pipeline.serving.runtime import load_runtime
 from pipeline.serving.served import ServeConfig
 from pipeline.serving.server import create_app
-from serving.support import build_base
+from serving.support import ANSWER_SCHEMA, TIMER_TOOL, build_base, champion_registry, grammar_rows
 
-SCHEMA = {  # bounded: a random model's free string would never end
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
-    "required": ["ok", "size"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "function": {
@@ -40,18 +34,7 @@ WEATHER = {
         },
     },
 }
-TIMER = {
-    "type": "function",
-    "function": {
-        "name": "set_timer",
-        "parameters": {
-            "type": "object",
-            "properties": {"minutes": {"type": "integer", "minimum": 0, "maximum": 60}},
-            "required": ["minutes"],
-        },
-    },
-}
-TOOLS = [WEATHER, TIMER]
+TOOLS = [WEATHER, TIMER_TOOL]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -61,19 +44,8 @@ def runtime(tmp_path_factory):
     return load_runtime(base, [], specialists=["chat"], device="cpu")
 
 
-def _generate(rt, spec, n, new_tokens=100):
-    rows = [
-        GenerationRequest(
-            BASE,
-            tuple(rt.encode([{"role": "user", "content": f"answer {k}"}])),
-            new_tokens,
-            temperature=0.0 if k == 0 else 1.0,
-            seed=k,
-            grammar=spec,
-        )
-        for k in range(n)
-    ]
-    return rt.generate(rows)
+def _generate(rt, spec, n):
+    return rt.generate(grammar_rows(rt, n, spec, new_tokens=100))
 
 
 def _branch(text: str, fmt: str, schema: dict | None) -> str:
@@ -94,20 +66,20 @@ def _branch(text: str, fmt: str, schema: dict | None) -> str:
 
 @pytest.mark.parametrize("fmt", ["json", "openai", "compact"])
 def test_union_output_is_a_call_or_schema_json_and_both_occur(runtime, fmt):
-    spec = tool_call_grammar(TOOLS, fmt=fmt, parallel=False, or_schema=SCHEMA)
+    spec = tool_call_grammar(TOOLS, fmt=fmt, parallel=False, or_schema=ANSWER_SCHEMA)
     results = _generate(runtime, spec, 32)
     branches = []
     for r in results:
         assert r.finish_reason == "stop", r
-        branches.append(_branch(r.text, fmt, SCHEMA))
+        branches.append(_branch(r.text, fmt, ANSWER_SCHEMA))
     assert set(branches) == {"call", "json"}, branches
 
 
 def test_union_with_parallel_calls(runtime):
-    spec = tool_call_grammar(TOOLS, fmt="compact", parallel=True, or_schema=SCHEMA)
+    spec = tool_call_grammar(TOOLS, fmt="compact", parallel=True, or_schema=ANSWER_SCHEMA)
     for r in _generate(runtime, spec, 12):
         if r.finish_reason == "stop":
-            _branch(r.text, "compact", SCHEMA)
+            _branch(r.text, "compact", ANSWER_SCHEMA)
 
 
 @pytest.mark.parametrize("fmt", ["openai", "compact"])
@@ -122,17 +94,17 @@ def test_union_with_any_json_object(runtime, fmt):
 
 def test_union_specs_are_distinct_hashable_and_cached(runtime):
     plain = tool_call_grammar(TOOLS, fmt="json", parallel=True)
-    union = tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=SCHEMA)
+    union = tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=ANSWER_SCHEMA)
     anything = tool_call_grammar(TOOLS, fmt="json", parallel=True, or_object=True)
     assert len({plain, union, anything}) == 3
-    assert union == tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=dict(SCHEMA))
+    assert union == tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=dict(ANSWER_SCHEMA))
     first = G.compile_grammar(runtime.tokenizer, union, vocab_size=runtime.vocab_size)
     assert G.compile_grammar(runtime.tokenizer, union, vocab_size=runtime.vocab_size) is first
 
 
 def test_union_limits_apply_to_the_schema():
     with pytest.raises(GrammarError, match="not both"):
-        tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=SCHEMA, or_object=True)
+        tool_call_grammar(TOOLS, fmt="json", parallel=True, or_schema=ANSWER_SCHEMA, or_object=True)
     deep: dict = {"type": "integer"}
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}}
@@ -151,12 +123,7 @@ SERVER_TOOLS = [
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, tiny_artifacts):
-    from pipeline.registry import upgrade_db
-    from serving.support import register_generation
-
-    url = f"sqlite:///{tmp_path_factory.mktemp('union-serve') / 'serve.db'}"
-    upgrade_db(url)
-    register_generation(url, tiny_artifacts)
+    url = champion_registry(tmp_path_factory.mktemp("union-serve"), tiny_artifacts)
     app = create_app(ServeConfig(registry_url=url, poll_seconds=0, device="cpu", flush_seconds=0.05))
     with TestClient(app) as c:
         yield c
@@ -169,12 +136,15 @@ def _chat_branch(message: dict, finish: str) -> str:
             jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
         return "call"
     assert finish == "stop", message
-    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    jsonschema.validate(json.loads(message["content"]), ANSWER_SCHEMA)
     return "json"
 
 
 def test_chat_tools_under_auto_with_a_json_schema_give_a_call_or_schema_json(client):
-    fmt = {"type": "json_schema", "json_schema": {"name": "final_output", "schema": SCHEMA, "strict": True}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "final_output", "schema": ANSWER_SCHEMA, "strict": True},
+    }
     branches = []
     for seed in range(8):
         r = client.post(
@@ -200,7 +170,7 @@ BAD_TOOL = {"type": "function", "function": {"name": "bad", "parameters": {"type
 
 @pytest.mark.parametrize(
     ("schema", "tools", "param"),
-    [({"type": "no-such-type"}, SERVER_TOOLS, "response_format"), (SCHEMA, [BAD_TOOL], "tools")],
+    [({"type": "no-such-type"}, SERVER_TOOLS, "response_format"), (ANSWER_SCHEMA, [BAD_TOOL], "tools")],
 )
 def test_a_union_the_library_refuses_is_a_400_naming_the_part_at_fault(client, schema, tools, param):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
@@ -214,7 +184,7 @@ def test_a_union_the_library_refuses_is_a_400_naming_the_part_at_fault(client, s
 
 @pytest.mark.parametrize(
     ("schema", "tool", "param"),
-    [({"type": "no-such-type"}, None, "text.format"), (SCHEMA, BAD_TOOL["function"], "tools")],
+    [({"type": "no-such-type"}, None, "text.format"), (ANSWER_SCHEMA, BAD_TOOL["function"], "tools")],
 )
 def test_a_refused_union_is_a_400_naming_the_responses_parameter(client, schema, tool, param):
     flat = [{"type": "function", **(tool or {"name": "set_timer", "parameters": PARAMS["set_timer"]})}]
@@ -225,7 +195,9 @@ def test_a_refused_union_is_a_400_naming_the_responses_parameter(client, schema,
 
 def test_responses_tools_under_auto_with_text_format_give_a_call_or_schema_json(client):
     flat = [{"type": "function", "name": n, "description": n, "parameters": p} for n, p in PARAMS.items()]
-    text = {"format": {"type": "json_schema", "name": "final_output", "schema": SCHEMA, "strict": True}}
+    text = {
+        "format": {"type": "json_schema", "name": "final_output", "schema": ANSWER_SCHEMA, "strict": True}
+    }
     branches = []
     for _ in range(12):
         r = client.post(
@@ -248,7 +220,7 @@ def test_responses_tools_under_auto_with_text_format_give_a_call_or_schema_json(
             branches.append("call")
         else:
             [message] = [o for o in body["output"] if o["type"] == "message"]
-            jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMA)
+            jsonschema.validate(json.loads(message["content"][0]["text"]), ANSWER_SCHEMA)
             branches.append("json")
     assert "call" in branches, branches  # about half are calls on the agent adapter
 
@@ -260,7 +232,10 @@ def test_a_compile_refused_for_load_is_a_503_to_retry_not_a_400(client, monkeypa
     full = threading.BoundedSemaphore(1)
     full.acquire()
     monkeypatch.setattr(G, "_running", full)
-    fresh = {**SCHEMA, "properties": {**SCHEMA["properties"], "spare": {"type": "boolean"}}}  # not cached
+    fresh = {
+        **ANSWER_SCHEMA,
+        "properties": {**ANSWER_SCHEMA["properties"], "spare": {"type": "boolean"}},
+    }  # not cached
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": fresh}}
     r = client.post(
         "/v1/chat/completions",

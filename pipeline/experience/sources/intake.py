@@ -27,20 +27,17 @@ from sqlalchemy import select
 from pipeline.errors import RatchetError
 from pipeline.experience.ingest import (
     DEFAULT_MAX_LINE_BYTES,
-    REASON_KEEP,
     IngestResult,
     TraceError,
-    already_quarantined,
     decode_json,
     iter_lines,
-    quarantine_text,
-    reason_kind,
+    store_traces,
     trace_row,
     validate_trace,
 )
 from pipeline.experience.principals import LOOP, NAME, OPERATOR, OPERATOR_PRINCIPAL, Principal
 from pipeline.experience.toolcalls import arguments_text, tools_problem
-from pipeline.registry.experience import SOURCES, TraceRow, insert_traces, quarantine_lines, quarantined_lines
+from pipeline.registry.experience import SOURCES, TraceRow
 from pipeline.registry.models import ApiKey
 
 log = logging.getLogger(__name__)
@@ -268,7 +265,6 @@ def import_turns(
         raise RatchetError(f"unknown source {source!r}: expected one of {', '.join(SOURCES)}")
     with session_factory() as session:
         who = resolve_principal(session=session, name=principal)
-        earlier = quarantined_lines(session=session, source_file=label)
     if principal != OPERATOR and not who.scopes:
         log.warning(
             "principal %r has no key in this registry: its ratings, corrections and expectations are kept as "
@@ -276,53 +272,30 @@ def import_turns(
             principal,
             principal,
         )
-    result = IngestResult(file=label)
-    rows: list[TraceRow] = []
-    bad: list[tuple[int, str, str, str]] = []
-    seen: set[str] = set()
 
-    def flush() -> None:
-        with session_factory() as session:
-            stored = insert_traces(session=session, rows=rows)
-            if bad:
-                quarantine_lines(session=session, source_file=label, entries=bad)
-        result.stored += stored
-        result.duplicate += len(rows) - stored
-        rows.clear()
-        bad.clear()
+    def entries() -> Iterator[tuple[int, bytes, TraceRow | str, None]]:
+        for turn in turns:
+            row: TraceRow | str | None = turn.problem
+            if row is None:
+                try:
+                    row = turn_row(
+                        turn,
+                        who=who,
+                        source=source,
+                        generation_id=generation_id,
+                        harness_version_id=harness_version_id,
+                    )
+                except TraceError as exc:
+                    row = str(exc)
+            yield turn.number, turn.raw, row, None
 
-    for turn in turns:
-        result.lines += 1
-        problem = turn.problem
-        if problem is None:
-            try:
-                row = turn_row(
-                    turn,
-                    who=who,
-                    source=source,
-                    generation_id=generation_id,
-                    harness_version_id=harness_version_id,
-                )
-            except TraceError as exc:
-                problem = str(exc)
-            else:
-                if row.content_hash in seen:
-                    result.duplicate += 1
-                else:
-                    seen.add(row.content_hash)
-                    rows.append(row)
-        if problem is not None:
-            result.quarantined += 1
-            kind = reason_kind(problem)
-            result.reasons[kind] = result.reasons.get(kind, 0) + 1
-            digest = hashlib.sha256(turn.raw).hexdigest()
-            if not already_quarantined(earlier, turn.number, digest):
-                reason = problem if len(problem) <= REASON_KEEP else problem[: REASON_KEEP - 3] + "..."
-                bad.append((turn.number, reason, quarantine_text(turn.raw), digest))
-        if len(rows) >= batch_size or len(bad) >= batch_size:
-            flush()
-            seen.clear()
-    flush()
+    result = store_traces(
+        entries(),
+        result=IngestResult(file=label),
+        source_file=label,
+        session_factory=session_factory,
+        batch_size=batch_size,
+    )
     log.info("imported %s: %s", label, result)
     return result
 
