@@ -97,9 +97,7 @@ def main() -> None:
     for kind in COMPUTE:
         print(f"  model compute: {kind:<10} {CLOCK.total(kind):8.1f} s")
     print(f"  contract scoring           {scoring:8.1f} s  (scorers, sandboxed runs of model-written code)")
-    print(
-        f"  everything else            {rest:8.1f} s  -> {rest / wall:.1%} of the generation (target < 5%)"
-    )
+    print(f"  everything else            {rest:8.1f} s  -> {rest / wall:.1%} of the generation (target < 5%)")
     print(
         "    (Prefect tasks, registry reads and writes, MLflow tracking, datasets and adapters on disk, model loading)"
     )
