@@ -52,6 +52,11 @@ class ResponsesRequest(BaseModel):
     user: StrictStr | None = Field(default=None, description="The end user (kept, not acted on).")
     truncation: Literal["disabled"] | None = Field(default=None, description="Only `disabled`.")
     reasoning: dict[str, Any] | None = Field(default=None, description="Only null (no reasoning models).")
+    return_token_ids: StrictBool | None = Field(
+        default=None,
+        description="vLLM's: the response's `prompt_token_ids` and `token_ids` (the ids stored with the turn; "
+        "embedded engine only).",
+    )
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -282,6 +287,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         "logprobs": True if req.logprobs() else None,
         "top_logprobs": req.top_logprobs,
         "user": req.user,
+        "return_token_ids": req.return_token_ids,
     }
     return {k: v for k, v in body.items() if v is not None}
 

@@ -119,6 +119,12 @@ class ResponseObject(BaseModel):
         description="The client's, plus `specialist`, `generation`, `route_reason`."
     )
     usage: Usage | None = Field(description="Token counts (null until completed).")
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="With `return_token_ids`: exactly the ids the model was given (vLLM's)."
+    )
+    token_ids: list[int] | None = Field(
+        default=None, description="With `return_token_ids`: exactly the ids it decoded, end token included."
+    )
 
 
 def output_items(rid: str, message: dict[str, Any], *, status: str, logprobs: list[Logprob] | None) -> list:
@@ -173,9 +179,10 @@ def response_object(
     finish_reason: str | None = None,
     tokens: tuple[int, int] | None = None,
     logprobs: list[Logprob] | None = None,
+    token_ids: tuple[list[int] | None, list[int] | None] = (None, None),
 ) -> ResponseObject:
     """The Response for ``message`` (None: still in progress); ``meta``: the turn's specialist, generation and
-    route reason; ``tokens``: (input, output)."""
+    route reason; ``tokens``: (input, output); ``token_ids``: (prompt, completion) ids when asked for."""
     status = "in_progress" if message is None else STATUS.get(finish_reason or "", "completed")
     error = None
     if status == "failed":
@@ -209,6 +216,8 @@ def response_object(
         usage=None
         if tokens is None
         else Usage(input_tokens=tokens[0], output_tokens=tokens[1], total_tokens=sum(tokens)),
+        prompt_token_ids=token_ids[0],
+        token_ids=token_ids[1],
     )
 
 

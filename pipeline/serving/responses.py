@@ -114,6 +114,9 @@ def install_responses(
                 param="model",
                 code="model_not_found",
             )
+        if body.return_token_ids and state.config.engine == "external":  # the engine's ids never come back
+            raise ApiError(400, "return_token_ids needs the embedded engine (not --engine external)",
+                           param="return_token_ids")  # fmt: skip
         rid = new_response_id()
         history, conversation = await _kept(state, body, who, rid)
         chat = chat_body(body, history)
@@ -317,6 +320,7 @@ def _reply(
         finish_reason=result.finish_reason,
         tokens=(result.prompt_tokens, result.completion_tokens),
         logprobs=logprobs_of(getattr(result, "logprobs", None)),
+        token_ids=(result.prompt_ids, result.completion_ids) if turn.req.return_token_ids else (None, None),
     )
 
 

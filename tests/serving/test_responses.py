@@ -239,6 +239,34 @@ def test_stream_events_are_assembled_by_the_sdk(served):
     assert completed.output[-1].type == "function_call" and completed.output[-1].name == "set_timer"
 
 
+def test_return_token_ids_are_the_ids_stored_with_the_turn(served):
+    """vLLM's ``return_token_ids`` on the Responses endpoint, plain and streamed: ``prompt_token_ids`` /
+    ``token_ids`` are exactly the ``served_tokens`` the turn is stored with (what training learns)."""
+    client = sdk(served)
+    plain = client.responses.create(
+        model="ratchet", input="12+35=?", max_output_tokens=5, extra_body={"return_token_ids": True}
+    )
+    events = list(
+        client.responses.create(
+            model="ratchet",
+            input="hello",
+            max_output_tokens=5,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    streamed = events[-1].response
+    rows = rows_by_id(served["url"], plain.id, streamed.id)
+    for response in (plain, streamed):
+        extra = response.model_extra or {}
+        row = rows[response.id]
+        stored = row.served_tokens[str(len(row.messages) - 1)]
+        assert extra["prompt_token_ids"] == stored["prompt_ids"] and extra["prompt_token_ids"]
+        assert extra["token_ids"] == stored["completion_ids"] and extra["token_ids"]
+    without = client.responses.create(model="ratchet", input="hi", max_output_tokens=3)
+    assert (without.model_extra or {}).get("token_ids") is None
+
+
 def test_retrieve_rebuilds_the_response(served):
     client = sdk(served)
     made = client.responses.create(
