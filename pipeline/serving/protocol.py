@@ -67,12 +67,18 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+# Tool calls one assistant message may hold: a message cannot be cut to fit the context, so its calls are
+# rendered through the chat template whole, in pure Python, while the view is fitted (20,000 calls held the
+# other requests' GIL share for seconds); the grammar writes at most 8 per reply.
+MAX_TOOL_CALLS = 128
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
     tool_call_id: str | None = None
 
     @model_validator(mode="after")

@@ -106,7 +106,7 @@ def install_responses(
     async def create(request: Request) -> Any:
         who = await access.require(request, "chat")  # before admission: an unknown client takes no slot
         started = time.perf_counter()
-        body = _parse(await body_of(request))
+        body = await asyncio.to_thread(_parse, await body_of(request))  # a large body is decoded off the loop
         if body.model != state.config.model_name:
             raise ApiError(
                 404,
@@ -119,10 +119,10 @@ def install_responses(
                            param="return_token_ids")  # fmt: skip
         rid = new_response_id()
         history, conversation = await _kept(state, body, who, rid)
-        chat = chat_body(body, history)
+        chat = await asyncio.to_thread(chat_body, body, history)
         if history:
             _check_kept_size(chat["messages"], body, state.config.max_body_bytes)
-        req = _chat_request(chat)
+        req = await asyncio.to_thread(_chat_request, chat)
         slot = state.admit()  # refused at once when full
         try:
             turn = await state.prepare(req, started=started, slot=slot, cid=rid)

@@ -268,7 +268,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         who = await access.require(request, "chat")  # before admission: an unknown client takes no slot
         started = time.perf_counter()
         # Admitted once the body is in (read with its timeouts): a client trickling a body holds no place.
-        req = parse_body(await body_of(request), ChatRequest)
+        req = await asyncio.to_thread(parse_body, await body_of(request), ChatRequest)  # off the event loop
         if (refusal := req.unsupported()) is not None:
             raise refusal
         if req.return_token_ids and config.engine == "external":  # the engine's ids never reach this server

@@ -109,7 +109,9 @@ def test_the_embedded_engine_returns_ids_fingerprint_and_logprobs(runtime):
     assert result.prompt_ids == list(prompt)
     assert result.tokenizer == tokenizer_fingerprint(runtime.tokenizer)
     assert runtime.tokenizer.decode(result.completion_ids, skip_special_tokens=True) == result.text
-    assert result.logprobs is not None and len(result.logprobs) == len(result.completion_ids)
+    # OpenAI's content logprobs leave out the end token, which completion_ids keep (training learns to stop)
+    assert result.logprobs is not None and len(result.logprobs) == result.completion_tokens
+    assert len(result.completion_ids) - result.completion_tokens == (result.finish_reason == "stop")
     assert all(len(lp.top) == 2 for lp in result.logprobs)
 
 

@@ -304,9 +304,10 @@ def test_a_huge_tools_list_does_not_stall_other_clients(served):
 
 
 def test_many_input_items_do_not_stall_other_clients(served):
-    """20,000 function calls in one assistant message (one body): converted, validated, fitted to the window
-    and stored without holding the event loop (on main: /health waited 4.6 s, the chat template rendered on
-    the loop while the view was fitted and the summary prompt counted)."""
+    """20,000 function calls in one assistant message (one body): refused at once with a 400 (at most
+    ``protocol.MAX_TOOL_CALLS`` per message), not rendered through the chat template whole while the view is
+    fitted (on main: /health waited 4.6 s; with the rendering moved off the loop, 0.4 s alone and 2.4 s under
+    the full suite's load, the renders holding the GIL)."""
     items = [
         {"type": "function_call", "call_id": f"c{i}", "name": "lamp", "arguments": "{}"}
         for i in range(20_000)
@@ -319,7 +320,7 @@ def test_many_input_items_do_not_stall_other_clients(served):
     t0 = time.perf_counter()
     worst, reply = worst_health_latency(served, lambda: post(served, "/v1/responses", body))
     print(f"20,000 items: {time.perf_counter() - t0:.2f}s, {reply.status_code}, worst /health {worst:.2f}s")
-    assert reply.status_code in (200, 400), reply.text
+    assert reply.status_code == 400 and "128" in reply.json()["error"]["message"], reply.text
     assert worst < 1.0
 
 
