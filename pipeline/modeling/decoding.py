@@ -149,7 +149,7 @@ def _decode_batch(
     streams = [TextStream(tokenizer) for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool)
     past = None
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_keyword(model)
     step_ids, step_pos = input_ids, positions
     for _ in range(config.max_new_tokens):
         result = model(  # logits of the last position only: the prefill skips the vocabulary matmul
@@ -179,8 +179,10 @@ def _decode_batch(
     return [_cut(s.final(), config.stop) for s in streams]
 
 
-def _cache_keyword(model: Any) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache`` (model kwarg and output field)."""
+def cache_keyword(model: Any) -> str:
+    """The KV cache's name as ``model``'s forward takes it and its output carries it: ``cache`` from the
+    transformers 5 release that renamed it, ``past_key_values`` before (both are inside our ``>=5.0,<6`` pin:
+    5.17 has the old name, 5.25 the new). The one place either decoding loop asks."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(core.forward).parameters else "past_key_values"
 

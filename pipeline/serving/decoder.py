@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.modeling.decoding import cache_keyword
 from pipeline.modeling.detokenization import TextStream
 from pipeline.modeling.grammar import (
     GrammarError,
@@ -193,18 +194,19 @@ def decode_batch(
     active = list(range(n))  # original row index of each batch row
     names = [rt.adapter_name(r.adapter) for r in reqs]
     past = None
+    cache_kw = cache_keyword(rt.model)
     step_ids, step_pos = ids, pos
     while active:
         out = rt.model(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=step_pos,
-            cache=past,
+            **{cache_kw: past},  # `cache` or `past_key_values`, by the transformers version
             use_cache=True,
             logits_to_keep=1,  # only the last position is decoded from: prefill skips the vocabulary matmul
             **rt._adapter_kwargs([names[i] for i in active]),
         )
-        past = out.cache
+        past = getattr(out, cache_kw)
         logits = out.logits[:, -1, :]
         if not vocab:  # the first step: the logits' width is known
             vocab = logits.shape[-1]
