@@ -18,7 +18,6 @@ compile slot taken (``grammar.MAX_COMPILING``) is a 503 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Any
 
 from pipeline.modeling.grammar import (
@@ -78,10 +77,9 @@ async def checked_grammar(req: ChatRequest, engine: Any, *, fmt: str) -> Grammar
 
 
 async def _compile(check: Any, spec: GrammarSpec) -> None:
-    if inspect.iscoroutinefunction(check):
-        await check(spec)
-    else:
-        await asyncio.to_thread(check, spec)
+    """``engine.check_grammar`` (synchronous on every engine: up to ``grammar.COMPILE_SECONDS`` on a hostile
+    schema) off the event loop."""
+    await asyncio.to_thread(check, spec)
 
 
 async def _format_compiles(req: ChatRequest, check: Any) -> bool:
