@@ -123,6 +123,8 @@ def _other_value(name: str, default):
     """A valid value of a spec field unlike its default (bounds: rates below 1, lengths at least 8)."""
     if name == "target_modules":
         return ["q_proj", "v_proj"]
+    if name == "activation_checkpointing":
+        return "on"
     if default is None:
         return 40
     if isinstance(default, bool):

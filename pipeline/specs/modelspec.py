@@ -128,6 +128,31 @@ class TrainDefaults(StrictModel):
         description="Optimizer steps between checkpoints (adapter, optimizer, scheduler, RNG state); an "
         "interrupted job resumes from the newest.",
     )
+    micro_batch_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens (examples' ids, summed) per forward/backward: each step's batch (`batch_size`, "
+        "the optimizer's batch, unchanged) runs as consecutive micro-batches within this budget, their "
+        "gradients accumulated (an example longer than it is a micro-batch of its own); the same update up "
+        "to float rounding. Also bounds dpo's and grpo's forwards. null: on a GPU, derived from the free "
+        "device memory when the job starts (`pipeline.training.memory.token_budget` states the formula); "
+        "on the CPU, no split (the whole batch in one forward).",
+    )
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Recompute each transformer block's activations in the backward pass instead of keeping "
+        "them (less memory, about a third more compute). `auto`: on for a base of at least 1B parameters; "
+        "on a GPU also when one `max_seq_len` sequence's activations would not fit 80% of the free memory "
+        "without it (`pipeline.training.memory.checkpointing_wanted`); off otherwise (every CPU run of a "
+        "base under 1B parameters).",
+    )
+    processes: int = Field(
+        default=1,
+        ge=1,
+        description="Training processes of one job (`torchrun`, one GPU each, gloo on the CPU): each runs "
+        "its share of every step's micro-batches and the gradients are summed before each update; only the "
+        "first writes checkpoints, the adapter and metrics. 1: the job runs in the step's own process.",
+    )
 
 
 class DpoSettings(StrictModel):
@@ -238,6 +263,13 @@ class ModelSpec(StrictModel):
         description="Weights dtype in collection, training, evaluation and serving. `auto`: bfloat16 on a GPU "
         "that supports it, float32 on the CPU. bfloat16 on a CPU with AVX512-BF16 or AMX is fast (serving); "
         "half precision on a CPU without native support is honoured, with a warning: slow.",
+    )
+    quantization: Literal["none", "nf4"] = Field(
+        default="none",
+        description="Quantization of the frozen base while training (QLoRA). `nf4`: the base's linear weights "
+        "loaded as 4-bit NormalFloat through bitsandbytes where the device supports it "
+        "(`pipeline.modeling.quantization`), computed in `dtype`; the LoRA weights stay float32 and are saved "
+        "unquantized. `none`: the base in `dtype`.",
     )
     specialists: dict[Name, SpecialistModel] = Field(min_length=1, description="One adapter per specialist.")
 

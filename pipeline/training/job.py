@@ -2,14 +2,19 @@
 
 ``train_lora`` fine-tunes one LoRA adapter on a frozen base model from a ``datasets`` dataset saved with
 ``save_to_disk`` (rows with OpenAI-style ``messages``; loss on assistant tokens only). A successor
-continues its parent's adapter weights. A row the chat template refuses, or that does not fit
-``max_seq_len`` even with its oldest turns cut, is left out and counted by reason (``encode_rows``,
-``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row. A row whose
-reply the server decoded with this tokenizer trains on exactly the ids served (its ``served_tokens`` column,
-``packing.encode_reply``); the others are re-rendered, and both are counted (``TrainResult.token_ids``, the
-run's ``token_ids_*`` metrics, ``lineage.json`` and the model card). Batches are packed (``pipeline.modeling.packing``): several examples
-share a row, positions restart per example and the block-diagonal mask keeps them from attending to each
-other, so no compute goes to padding. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
+continues its parent's adapter weights. Rows become examples as ``examples`` says: a row the chat template
+refuses, or that does not fit ``max_seq_len`` even with its oldest turns cut, is left out and counted by
+reason (``TrainResult.dropped``, the run's ``rows_dropped_*`` metrics): a job never stops on one row; a row
+whose reply the server decoded with this tokenizer trains on exactly the ids served (``TrainResult.token_ids``,
+the run's ``token_ids_*`` metrics, ``lineage.json`` and the model card). Batches are packed
+(``pipeline.modeling.packing``): several examples share a row, positions restart per example and the
+block-diagonal mask keeps them from attending to each other, so no compute goes to padding. A step's batch
+(``batch_size``, the optimizer's) runs as micro-batches within a token budget (``memory.token_budget``: the
+spec's ``micro_batch_tokens``, or from the free GPU memory; no split on the CPU), each one's loss scaled by
+its share of the batch's labelled tokens and its gradients accumulated, so the update is the whole batch's;
+under ``torchrun`` (``training.processes``) each process runs its share of them (``distributed``), the
+gradients are summed before the update, and only the main process writes checkpoints, the adapter and
+metrics. Activation checkpointing as ``memory.checkpointing_wanted`` says. Each LoRA linear runs as one autograd function (``kernels.merged_lora``: peft's
 ``W x + scale * B (A x)`` with the same gradients, in fewer and larger matmuls),
 and logits and loss are computed only where a label is (``kernels.assistant_loss``). Every
 ``checkpoint_every`` steps the adapter, optimizer, scheduler, RNG states and step are written under
@@ -38,21 +43,38 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-
 from pipeline.errors import RatchetError
 from pipeline.experience.toolcalls import normalize_tool_calls
-from pipeline.modeling.packing import SERVED, encode_reply, packed_tensors
+from pipeline.modeling.packing import IGNORE, SERVED, packed_tensors
 from pipeline.modeling.placement import placement
-from pipeline.modeling.templating import TEMPLATE_ERROR, RowSkipped
 from pipeline.shipped import DISTRIBUTION
 from pipeline.specs.loading import content_hash, weights_sha256
 from pipeline.specs.modelspec import ALL_LINEAR as ALL_LINEAR  # re-exported: pipeline.training.ALL_LINEAR
 from pipeline.specs.modelspec import LoraConfig, TrainDefaults
 from pipeline.training.artifacts import conversations_sha256, hashed_row, save_adapter, stored_dataset_sha256
+from pipeline.training.attention import padding_free
 from pipeline.training.checkpoint import discard, finished_result, record_finished, resume, save_checkpoint
+from pipeline.training.distributed import (
+    broadcast_parameters,
+    is_main,
+    least,
+    reduce_gradients,
+    share,
+    split,
+    sum_over,
+    world,
+)
+from pipeline.training.examples import NO_TARGET as NO_TARGET  # re-exported (dpo, grpo, tests): as below
+from pipeline.training.examples import ROW_ERRORS as ROW_ERRORS
+from pipeline.training.examples import EncodedRows as EncodedRows
+from pipeline.training.examples import count as count
+from pipeline.training.examples import dropped_text, encode_dataset, log_dropped, log_token_ids
+from pipeline.training.examples import encode_row as encode_row
+from pipeline.training.examples import encode_rows as encode_rows
+from pipeline.training.examples import skip_reason as skip_reason
 from pipeline.training.kernels import assistant_loss, merged_lora
 from pipeline.training.likelihood import optimizer, policy_model
+from pipeline.training.memory import token_budget
 
 if TYPE_CHECKING:
     from pipeline.modeling.placement import Placement
@@ -61,6 +83,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LORA, _TRAINING = LoraConfig(), TrainDefaults()  # the model spec's defaults: the one place they are written
+
+
+HOW = ("micro_batch_tokens", "activation_checkpointing", "processes")  # how a step runs, not what it computes
 
 
 @dataclass(frozen=True)
@@ -85,8 +110,16 @@ class TrainConfig:
     max_seq_len: int | None = _TRAINING.max_seq_len
     warmup_steps: int = _TRAINING.warmup_steps
     weight_decay: float = _TRAINING.weight_decay
+    # how a step runs, not what it computes (left out of the job's key: a job resumes under other values)
+    micro_batch_tokens: int | None = _TRAINING.micro_batch_tokens  # None: memory.token_budget's
+    activation_checkpointing: str = _TRAINING.activation_checkpointing  # auto | on | off
+    processes: int = _TRAINING.processes  # the train step launches them (torchrun); this job is one of them
     # how tool calls appear in the rendered conversation (the harness's ``tool_call_format``)
     tool_call_format: str = "compact"
+
+    def key(self) -> dict[str, Any]:
+        """The settings that decide what the job computes (its checkpoints' key): all but ``HOW``."""
+        return {k: v for k, v in asdict(self).items() if k not in HOW}
 
     @classmethod
     def from_spec(cls, specialist: SpecialistModel, *, seed: int, tool_call_format: str) -> TrainConfig:
@@ -185,118 +218,6 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
 
 
 MAX_SEQ_LEN_DEFAULT = 2048
-NO_TARGET = "no assistant turn"  # a row with nothing to train on
-UNENCODABLE = "cannot be encoded"  # the template or tokenizer refuses its data (tools that are no schema)
-# What encoding one row may raise because of that row's data: ``templating.RowSkipped`` (a ValueError, with
-# its reason), a chat template's error, transformers' ValueError for tools it cannot read, a TypeError from a
-# field of an unexpected type. The row is left out and counted by reason; the job goes on.
-ROW_ERRORS = (ValueError, TypeError, TemplateError)
-
-
-def skip_reason(exc: BaseException) -> str:
-    """The reason a row that raised one of ``ROW_ERRORS`` is counted under."""
-
-    if isinstance(exc, RowSkipped):
-        return exc.reason
-    return TEMPLATE_ERROR if isinstance(exc, TemplateError) else UNENCODABLE
-
-
-SERVED_COLUMNS = {"messages": "served_tokens", "rejected": "rejected_served_tokens"}  # a dataset's served ids
-
-
-def served_of(row: dict[str, Any], side: str = "messages") -> dict[str, Any] | None:
-    """The served ids of ``row``'s ``side`` (``SERVED_COLUMNS``: JSON text of ``documents.ServedTokens``,
-    written by curation; empty or absent: none). Text that is no JSON object reads as an object without a
-    tokenizer, which ``packing.served_example`` finds unreadable: the reply is re-rendered and counted."""
-    text = row.get(SERVED_COLUMNS[side]) or ""
-    if not text:
-        return None
-    try:
-        served = json.loads(text)
-    except ValueError:
-        served = None
-    return served if isinstance(served, dict) and served else {"unreadable": text}
-
-
-def encode_row(
-    tokenizer: Any, row: dict[str, Any], max_len: int, *, fmt: str, side: str = "messages"
-) -> tuple[list[int], list[int], str]:
-    """``(ids, labels, how)`` of one dataset row's conversation ``side``: on the ids it was served, else
-    re-rendered (``packing.encode_reply``; raises ``ROW_ERRORS`` as ``templating.encode_chat``)."""
-    tools = json.loads(row.get("tools") or "[]") or None
-    return encode_reply(tokenizer, row[side], max_len, fmt=fmt, tools=tools, served=served_of(row, side))
-
-
-def count(counts: dict[str, int], key: str) -> None:
-    """Add one to ``counts[key]``."""
-    counts[key] = counts.get(key, 0) + 1
-
-
-@dataclass(frozen=True)
-class EncodedRows:
-    """A dataset's rows as examples: ``examples`` (ids, labels), the rows left out by reason (``dropped``)
-    and the examples by where their ids came from (``token_ids``: ``TrainResult.token_ids``)."""
-
-    examples: list[tuple[list[int], list[int]]]
-    dropped: dict[str, int]
-    token_ids: dict[str, int]
-
-
-def encode_dataset(
-    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
-) -> EncodedRows:
-    """Each row's ids and labels: the ids its reply was served with when this tokenizer served it and they
-    fit (``packing.encode_reply``), else ``templating.encode_chat``'s (content inert, the oldest context cut
-    to fit ``max_len``, never the target's end); and the rows left out by reason -- the chat template refuses
-    the row, it does not fit, the template rewrites the trained turn, nothing to train on. A job never stops
-    on one row."""
-
-    examples: list[tuple[list[int], list[int]]] = []
-    dropped: dict[str, int] = {}
-    token_ids: dict[str, int] = {}
-    for r in rows:
-        try:
-            ids, labels, how = encode_row(tokenizer, r, max_len, fmt=fmt)
-        except ROW_ERRORS as exc:
-            log.warning("%s: a row is left out: %s", where, exc)
-            count(dropped, skip_reason(exc))
-            continue
-        if not any(label != -100 for label in labels):
-            count(dropped, NO_TARGET)
-            continue
-        examples.append((ids, labels))
-        count(token_ids, how)
-    return EncodedRows(examples, dropped, token_ids)
-
-
-def encode_rows(
-    tokenizer: Any, rows: list[dict[str, Any]], max_len: int, *, fmt: str, where: str
-) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
-    """``(examples, dropped)`` of ``encode_dataset``."""
-    encoded = encode_dataset(tokenizer, rows, max_len, fmt=fmt, where=where)
-    return encoded.examples, encoded.dropped
-
-
-def log_token_ids(tracker: Any, token_ids: dict[str, int], where: str) -> None:
-    """Log (and record in the job's MLflow run, ``token_ids_<how>``) how many examples trained on the ids
-    served and how many were re-rendered."""
-    served = sum(n for how, n in token_ids.items() if how.endswith(SERVED))
-    log.info("%s: %d examples on the ids served, %d re-rendered (%s)", where, served,
-             sum(token_ids.values()) - served, _dropped_text(token_ids))  # fmt: skip
-    if tracker:
-        for how, n in sorted(token_ids.items()):
-            key = "".join(c if c.isalnum() else "_" for c in how)
-            tracker.log_metric(f"token_ids_{key}", float(n), step=0)
-
-
-def _dropped_text(dropped: dict[str, int]) -> str:
-    return ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items())) or "no row"
-
-
-def log_dropped(tracker: Any, dropped: dict[str, int], step: int = 0) -> None:
-    """Record the rows left out, by reason, in the job's MLflow run (``rows_dropped_<reason>``)."""
-    for reason, n in sorted(dropped.items()):
-        tracker.log_metric(f"rows_dropped_{reason.replace(' ', '_')}", float(n), step=step)
 
 
 def finished_before(ckpt_root: Path, *, job_key: str) -> TrainResult | None:
@@ -344,6 +265,7 @@ def train_lora(
     where: Placement | None = None,
     tokenizer_dir: Path | None = None,
     keep_checkpoints: bool = False,
+    quantization: str = "none",
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter; return where it was saved and how training went.
 
@@ -378,7 +300,7 @@ def train_lora(
     examples, dropped, token_ids = encoded.examples, encoded.dropped, encoded.token_ids
     if not examples:
         raise RatchetError(
-            f"{dataset_dir}: no row has an assistant turn to train on ({_dropped_text(dropped)})"
+            f"{dataset_dir}: no row has an assistant turn to train on ({dropped_text(dropped)})"
         )
     model = policy_model(  # the parent's adapter, continued, or a fresh LoRA; safetensors only
         base_model_dir,
@@ -388,23 +310,34 @@ def train_lora(
         target_modules=config.target_modules,
         parent_adapter_dir=parent_adapter_dir,
         where=where,
+        quantization=quantization,
+        activation_checkpointing=config.activation_checkpointing,
+        max_seq_len=max_len,
     )
     model.train()
     params, optim, sched = optimizer(
         model, lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=config.weight_decay
     )
+    processes = world()  # this job's processes (torchrun): each runs its share of a step's micro-batches
+    budget = least(token_budget(config.micro_batch_tokens, where=where, model=model, max_seq_len=max_len),
+                   processes)  # fmt: skip
+    main = is_main(processes)  # only the main one writes checkpoints, the adapter and metrics
+    tracker = tracker if main else None
     per_epoch = math.ceil(len(examples) / config.batch_size)
     total = config.max_steps or max(1, math.ceil(config.epochs * per_epoch))
-    job_key = content_hash({"config": asdict(config), "data": data_hash, "parent": str(parent_adapter_dir)})
+    key = {"config": config.key(), "data": data_hash, "parent": str(parent_adapter_dir)}
+    job_key = content_hash(key if quantization == "none" else {**key, "quantization": quantization})
 
     ckpt_root = output_dir / "checkpoint"
     if (done := finished_before(ckpt_root, job_key=job_key)) is not None:
         return done  # it finished, then its registry commit failed: no step is trained again, no second run
     start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
+    broadcast_parameters(params, processes)  # every process resumed the same files; this makes it certain
 
     # ---- train -------------------------------------------------------------------------------------
     with contextlib.ExitStack() as stack:
         stack.enter_context(merged_lora(model))
+        stack.enter_context(padding_free(model))  # GPU: packed rows without a 4D mask; no-op on the CPU
         run_id = None
         if tracker:
             tags = {"kind": "lora", "resumed_from_step": str(start)}
@@ -426,16 +359,27 @@ def train_lora(
         every = max(1, -(-total // LOSS_POINTS))
         while step < total:
             batch = [examples[i] for i in batch_indices(len(examples), config.batch_size, step, config.seed)]
-            tensors = {k: v.to(where.device) for k, v in packed_tensors(batch, max_len, pad_id).items()}
-            loss = assistant_loss(model, tensors)
-            loss.backward()
+            # micro-batches within the token budget, each loss scaled by its share of the batch's labelled
+            # tokens: the gradients summed over them (and processes) are the whole batch's mean loss's
+            packs = [packed_tensors([batch[i] for i in group], max_len, pad_id)
+                     for group in split([min(len(ids), max_len) for ids, _ in batch], budget, processes)]  # fmt: skip
+            labelled = [int((p["labels"][:, 1:] != IGNORE).sum()) for p in packs]
+            loss_sum = torch.zeros((), device=where.device)
+            for [k] in share([[k] for k in range(len(packs))], processes):
+                if not labelled[k]:
+                    continue  # nothing to learn from (its loss would be 0/0)
+                tensors = {name: v.to(where.device) for name, v in packs[k].items()}
+                loss = assistant_loss(model, tensors) * (labelled[k] / sum(labelled))
+                loss.backward()
+                loss_sum += loss.detach()
+            reduce_gradients(params, processes)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
             step += 1
             tokens += sum(len(e[0]) for e in batch)
-            loss_value = float(loss.detach())
+            loss_value = sum_over(float(loss_sum), processes)  # each process holds its micro-batches' part
             if step % every == 0 or step == total:
                 curve.append((step, round(loss_value, 5)))
             if tracker:
@@ -443,7 +387,7 @@ def train_lora(
             if progress is not None:
                 progress(step, total, loss_value)
             interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
-            if step % config.checkpoint_every == 0 or interrupted:
+            if main and (step % config.checkpoint_every == 0 or interrupted):
                 save_checkpoint(ckpt_root, job_key=job_key, step=step, model=model, optim=optim, sched=sched,
                                 get_state=get_peft_model_state_dict)  # fmt: skip
             if interrupted:
@@ -453,25 +397,27 @@ def train_lora(
                                    dropped=dropped, token_ids=token_ids)  # fmt: skip
         seconds = time.perf_counter() - started
 
-        # ---- save ----------------------------------------------------------------------------------
-        adapter_dir, adapter_sha = save_adapter(
-            model,
-            output_dir,
-            record={
-                **(lineage or {}),
-                "method": "sft",
-                "dataset_sha256": data_hash,
-                "base_model_sha256": weights_sha256(base_model_dir),
-                "code_version": (lineage or {}).get("code_version") or git_describe(),
-                "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
-                "train_config": asdict(config),
-                "steps": total,
-                "final_loss": loss_value,
-                "examples": len(examples),
-                "token_ids": token_ids,
-            },
-            tracker=tracker,
-        )
+        # ---- save (the main process) ---------------------------------------------------------------
+        adapter_dir, adapter_sha = output_dir / "adapter", ""
+        if main:
+            adapter_dir, adapter_sha = save_adapter(
+                model,
+                output_dir,
+                record={
+                    **(lineage or {}),
+                    "method": "sft",
+                    "dataset_sha256": data_hash,
+                    "base_model_sha256": weights_sha256(base_model_dir),
+                    "code_version": (lineage or {}).get("code_version") or git_describe(),
+                    "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
+                    "train_config": asdict(config),
+                    "steps": total,
+                    "final_loss": loss_value,
+                    "examples": len(examples),
+                    "token_ids": token_ids,
+                },
+                tracker=tracker,
+            )
         if tracker:
             tracker.log_metric("tokens_per_second", tokens / max(seconds, 1e-9), step=total)
 
@@ -491,4 +437,4 @@ def train_lora(
         dropped=dropped,
         token_ids=token_ids,
     )
-    return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)
+    return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints) if main else result
