@@ -112,3 +112,21 @@ def test_a_template_that_rewrites_the_trained_turn_is_refused(tok):
     with pytest.raises(ValueError, match="rewrites the final assistant turn"):
         encode_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "quiet"}], 512)
     logging.getLogger(__name__).info("refused as expected")
+
+
+def test_packed_tensors_give_each_segments_cumulative_lengths():
+    """``cu_seq_lens`` marks where every example and every row's trailing padding starts, over the
+    flattened rows (flash-attention's varlen convention): exactly the positions that restart at 0."""
+    from pipeline.modeling.packing import packed_tensors
+
+    examples = [([7] * n, [IGNORE] + [7] * (n - 1)) for n in (5, 9, 3, 12, 1, 4)]
+    batch = packed_tensors(examples, 12, 0)
+    cu = batch["cu_seq_lens"]
+    flat = batch["position_ids"].flatten().tolist()
+    assert str(cu.dtype) == "torch.int32"
+    assert cu.tolist() == [i for i, p in enumerate(flat) if p == 0] + [len(flat)]
+    lengths = sorted(b - a for a, b in zip(cu.tolist(), cu.tolist()[1:], strict=False))
+    padding = batch["input_ids"].numel() - sum(len(ids) for ids, _ in examples)
+    assert sum(lengths) == len(flat) and padding > 0
+    rows, width = batch["input_ids"].shape
+    assert all(r * width in cu.tolist() for r in range(rows))  # no segment crosses a row

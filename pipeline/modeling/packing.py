@@ -9,7 +9,9 @@ end never does). ``pack_examples`` packs a batch of examples into as few rows as
 (first-fit decreasing); ``packed_tensors`` gives ``input_ids``/``labels``/``position_ids`` with the
 positions restarting at 0 for each example and NO attention mask: transformers (>= 4.56 / 5.x) then
 derives a block-diagonal causal mask from the position ids (``masking_utils.find_packed_sequence_indices``),
-so packed examples never attend to each other, with sdpa or eager attention, on CPU too. The first token of
+so packed examples never attend to each other, with sdpa or eager attention, on CPU too. It also gives
+``cu_seq_lens``, the segments' cumulative lengths over the flattened rows (flash-attention's varlen
+convention), with which a padding-free attention (``pipeline.training.attention``) builds no mask at all. The first token of
 every example is a prompt token (label -100), so no loss crosses an example boundary.
 
 Served ids (``encode_reply``): a reply the server decoded was stored with exactly the ids the model was given
@@ -131,17 +133,21 @@ def packed_tensors(
     labels: list[int] = []
     positions: list[int] = []
     owner: list[int] = []
+    starts: list[int] = []
     for row in rows:  # plain lists, one tensor per field: building tensors per example costs more
         used = 0
         for i in row:
             ids, labs = examples[i]
             n = min(len(ids), row_len)
+            starts.append(len(input_ids))
             input_ids += ids[:n]
             labels += labs[:n]
             positions += range(n)
             owner += [i] * n
             used += n
         # Trailing pad continues the positions of a last dummy segment starting at 0 (labels ignored).
+        if used < width:
+            starts.append(len(input_ids))
         input_ids += [pad_id] * (width - used)
         labels += [IGNORE] * (width - used)
         positions += range(width - used)
@@ -151,6 +157,7 @@ def packed_tensors(
         "input_ids": torch.tensor(input_ids, dtype=torch.long).view(shape),
         "labels": torch.tensor(labels, dtype=torch.long).view(shape),
         "position_ids": torch.tensor(positions, dtype=torch.long).view(shape),
+        "cu_seq_lens": torch.tensor([*starts, len(input_ids)], dtype=torch.int32),
     }
     if owners:
         out["example_index"] = torch.tensor(owner, dtype=torch.long).view(shape)
