@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q 'setuptools>=69'
 	@# the distribution was renamed ratchet -> ratchet-lineage (same `pipeline` package): drop the old editable one
 	@$(PY) -m pip uninstall -q -y ratchet 2>/dev/null || true
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,qlora]'
 	@touch $(STAMP)
 
 # Model-written code runs under bubblewrap; where it is not installed the demo (the tiny model's own code)

@@ -1,7 +1,10 @@
 """The training step: one LoRA job per specialist, by the method its model spec names, continuing the parent's
 adapter: ``sft`` on its curated dataset (``job``), ``dpo`` on its preference pairs (``preference``), ``grpo``
 online on its task source's training prompts with the contract's scoring as the reward (``reinforcement``).
-A specialist with no dataset (sft, dpo) or no task source (grpo) keeps its parent's adapter.
+A specialist with no dataset (sft, dpo) or no task source (grpo) keeps its parent's adapter. A spec with
+``training.processes`` > 1 runs its sft and dpo jobs under ``torchrun`` (``distributed.launch``: one process
+per GPU, gloo on the CPU; rank 0's result is the job's); the jobs get the spec's micro-batch budget,
+activation checkpointing and ``quantization`` (QLoRA).
 
 Each job is recorded as it finishes (registry adapter row with its method, MLflow run and registered model
 version; the rows it left out, by reason, in the step's outcome), so a crashed step resumes with the
@@ -18,6 +21,7 @@ is untouched.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,11 +62,14 @@ from pipeline.training.checkpoint import discard
 from pipeline.training.dpo import train_dpo
 from pipeline.training.grpo import Episodes, train_grpo
 from pipeline.training.job import TrainConfig, train_lora
+from pipeline.training.torchrun import launch
 
 if TYPE_CHECKING:
     from pipeline.registry.tracking import Tracker
     from pipeline.specs.contract import ContractSpec
     from pipeline.training.job import TrainResult
+
+log = logging.getLogger(__name__)
 
 RunJob = Callable[..., "TrainResult"]
 """``run_job(name, fn, **kwargs)``: how a job is run (a Prefect task per method in ``flows``); default
@@ -269,21 +276,33 @@ def job_for(
     fmt: str,
     dataset: tuple[str, str, int] | None,
 ) -> tuple[Callable[..., TrainResult], dict[str, Any]]:
-    """The job function of ``method`` and its method-specific arguments (from the model spec)."""
+    """The job function of ``method`` and its method-specific arguments (from the model spec). With
+    ``training.processes`` > 1, sft and dpo run under ``torchrun`` (``distributed.launch``, which returns
+    the same ``TrainResult``); grpo runs in this process (its rollouts are not split across processes)."""
     settings = spec.specialists[specialist]
+    processes = settings.training.processes
+    if method == "grpo" and processes > 1:
+        log.warning("specialist %r: training.processes is %d, but grpo trains in one process", specialist,
+                    processes)  # fmt: skip
+    across = {"method": method, "processes": processes}
     if method == "sft":
         config = TrainConfig.from_spec(settings, seed=seed, tool_call_format=fmt)
         assert dataset is not None
-        return train_lora, {"dataset_dir": Path(dataset[0]), "config": config}
+        kwargs = {"dataset_dir": Path(dataset[0]), "config": config, "quantization": spec.quantization}
+        return (launch, {**kwargs, **across}) if processes > 1 else (train_lora, kwargs)
     common = {
         "lora": settings.lora,
         "seed": seed,
         "tool_call_format": fmt,
         "max_seq_len": settings.training.max_seq_len,
+        "micro_batch_tokens": settings.training.micro_batch_tokens,
+        "activation_checkpointing": settings.training.activation_checkpointing,
+        "quantization": spec.quantization,
     }
     if method == "dpo":
         assert dataset is not None
-        return train_dpo, {**common, "dataset_dir": Path(dataset[0]), "settings": settings.dpo}
+        kwargs = {**common, "dataset_dir": Path(dataset[0]), "settings": settings.dpo}
+        return (launch, {**kwargs, **across}) if processes > 1 else (train_dpo, kwargs)
     if method == "grpo":
         return train_grpo, {**common, "settings": settings.grpo}
     raise RatchetError(f"specialist {specialist!r}: unknown training method {method!r}")
