@@ -3,9 +3,10 @@
 ``train_dpo`` fine-tunes one LoRA adapter by direct preference optimisation (Rafailov et al., 2023) on
 preference pairs curated from contract-scored experience (``pipeline.experience.preferences``): each row is two
 conversations with the same context, the preferred reply (``messages``) and the other (``rejected``). The
-policy starts from the parent's adapter and the reference is the parent pair itself (its adapter merged into
-a frozen copy of the base; the bare base when there is no parent), so the implicit KL holds the successor to
-its parent. The loss per pair is ``-log sigmoid(beta * ((log pi(y+) - log ref(y+)) - (log pi(y-) -
+policy starts from the parent's adapter and the reference is the parent pair itself (``likelihood.reference_of``:
+the parent's adapter loaded, frozen, into the same model beside the policy's, or the adapters switched off
+when there is no parent -- never a second copy of the base), so the implicit KL holds the successor to its
+parent. The loss per pair is ``-log sigmoid(beta * ((log pi(y+) - log ref(y+)) - (log pi(y-) -
 log ref(y-))))`` over the reply's tokens (only the final assistant turn is labelled, as in SFT), plus
 ``sft_weight`` times the preferred reply's mean negative log-likelihood (RPO), which keeps pure DPO from
 lowering the preferred reply's probability along with the other's.
@@ -18,10 +19,17 @@ of a second tokenisation path -- and a side whose reply the server decoded with 
 rendered at all: it is the ids served (``job.encode_row``, ``packing.encode_reply``), each side on its own. The loss is the paper's and is checked against a direct computation in
 ``tests/test_preference.py``.
 
-Batches are packed (chosen and rejected of every pair of the batch in one forward, no padding compute), each
-LoRA linear takes the fast path of ``kernels.merged_lora``, reference log-probabilities are computed once
-before training, checkpoints are those of the SFT job (safetensors + JSON, resumed from the newest intact
-one), and the adapter is saved atomically with ``lineage.json`` (``artifacts.save_adapter``).
+Batches are packed (chosen and rejected of a pair in the same forward, no padding compute), each LoRA linear
+takes the fast path of ``kernels.merged_lora``, reference log-probabilities are computed once before
+training, checkpoints are those of the SFT job (safetensors + JSON, resumed from the newest intact one), and
+the adapter is saved atomically with ``lineage.json`` (``artifacts.save_adapter``).
+
+Memory: the spec's ``batch_size`` pairs are one optimizer step, run as micro-batches of at most
+``micro_batch_tokens`` packed tokens (``memory.micro_batches`` over the pairs' summed lengths: a pair's two
+sides never part), each micro-batch's loss its pairs' summed loss over the batch's pair count, so that the
+accumulated gradients are those of the whole batch's mean; the reference pass is cut the same way. Under
+``torchrun`` each process runs its share of the micro-batches (``distributed.share``), the gradients are
+summed before clipping, and only the main process writes checkpoints, the adapter and the metrics.
 """
 
 from __future__ import annotations
@@ -39,9 +47,19 @@ from typing import TYPE_CHECKING, Any
 from pipeline.errors import RatchetError
 from pipeline.modeling.placement import placement
 from pipeline.modeling.templating import IGNORE
-from pipeline.specs.loading import content_hash, weights_sha256
+from pipeline.specs.loading import content_hash, file_sha256, weights_sha256
 from pipeline.training.artifacts import save_adapter, stored_dataset_sha256
+from pipeline.training.attention import padding_free
 from pipeline.training.checkpoint import resume, save_checkpoint
+from pipeline.training.distributed import (
+    broadcast_parameters,
+    is_main,
+    least,
+    reduce_gradients,
+    share,
+    split,
+    world,
+)
 from pipeline.training.job import (
     LOSS_POINTS,
     NO_TARGET,
@@ -59,16 +77,19 @@ from pipeline.training.job import (
     skip_reason,
 )
 from pipeline.training.kernels import merged_lora
-from pipeline.training.likelihood import optimizer, policy_model, reference_model, sequence_logprobs
+from pipeline.training.likelihood import REFERENCE, optimizer, policy_model, reference_of, sequence_logprobs
+from pipeline.training.memory import token_budget
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeline.modeling.placement import Placement
     from pipeline.registry.tracking import Tracker
     from pipeline.specs.modelspec import DpoSettings, LoraConfig
 
 log = logging.getLogger(__name__)
 
-REFERENCE_BATCH = 256  # pairs per reference forward (no gradients: memory is activations only)
+REFERENCE_BATCH = 256  # pairs per reference forward without a token budget (no gradients: activations only)
 
 Example = tuple[list[int], list[int]]
 
@@ -101,6 +122,64 @@ def encode_pairs(
     return pairs, dropped, token_ids
 
 
+def pair_lengths(pairs: list[tuple[Example, Example]], batch: list[int]) -> list[int]:
+    """Packed tokens of each pair of ``batch`` (both sides: they share a micro-batch)."""
+    return [len(pairs[i][0][0]) + len(pairs[i][1][0]) for i in batch]
+
+
+def pair_logprobs(
+    model: Any,
+    pairs: list[tuple[Example, Example]],
+    batch: list[int],
+    *,
+    row_len: int,
+    pad_id: int,
+    device: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the chosen and the rejected reply of each pair in ``batch``, from one
+    packed forward of ``model`` (with gradients when they are enabled)."""
+    examples = [pairs[i][0] for i in batch] + [pairs[i][1] for i in batch]
+    summed, _, _ = sequence_logprobs(model, examples, row_len=row_len, pad_id=pad_id, device=device)
+    return summed[: len(batch)], summed[len(batch) :]
+
+
+def reference_logprobs(
+    model: Any,
+    reference: Callable[[], contextlib.AbstractContextManager[Any]],
+    pairs: list[tuple[Example, Example]],
+    *,
+    budget: int | None,
+    row_len: int,
+    pad_id: int,
+    device: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair's summed reference log-probability of its chosen and of its rejected reply ``([P], [P])``:
+    ``model`` run as the reference (``reference()``, from ``likelihood.reference_of``), in micro-batches of at
+    most ``budget`` packed tokens (a pair's sides together), or ``REFERENCE_BATCH`` pairs at a time without a
+    budget. Under ``torchrun`` each process computes its share and the shares are summed (every process
+    ends with all of them)."""
+    import torch
+    import torch.distributed as dist
+
+    team = world()
+    everything = list(range(len(pairs)))
+    if budget is None:
+        groups = [everything[s : s + REFERENCE_BATCH] for s in range(0, len(pairs), REFERENCE_BATCH)]
+    else:
+        groups = split(pair_lengths(pairs, everything), budget, team)
+    chosen = torch.zeros(len(pairs), dtype=torch.float32, device=device)
+    rejected = torch.zeros(len(pairs), dtype=torch.float32, device=device)
+    with reference(), torch.no_grad():
+        for group in share(groups, team):
+            c, r = pair_logprobs(model, pairs, group, row_len=row_len, pad_id=pad_id, device=device)
+            index = torch.tensor(group, device=device)
+            chosen[index], rejected[index] = c.float(), r.float()
+    if team.size > 1:
+        dist.all_reduce(chosen)
+        dist.all_reduce(rejected)
+    return chosen, rejected
+
+
 def train_dpo(
     *,
     base_model_dir: Path,
@@ -119,13 +198,19 @@ def train_dpo(
     where: Placement | None = None,
     tokenizer_dir: Path | None = None,
     keep_checkpoints: bool = False,
+    micro_batch_tokens: int | None = None,
+    activation_checkpointing: str = "auto",
+    quantization: str = "none",
 ) -> TrainResult:
     """Train (or resume) a LoRA adapter on preference pairs; return where it was saved and how it went.
 
     ``stop_after_steps`` interrupts the job after that many steps in this call (after checkpointing),
-    returning ``completed=False``, as ``train_lora`` does."""
+    returning ``completed=False``, as ``train_lora`` does. ``micro_batch_tokens`` (None: the whole batch
+    at once), ``activation_checkpointing`` and ``quantization`` are the model spec's (``TrainDefaults``):
+    the first cuts each step (see the module doc), the other two are ``likelihood.policy_model``'s."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
     from datasets import load_from_disk
     from peft import get_peft_model_state_dict
@@ -154,6 +239,8 @@ def train_dpo(
         raise RatchetError(
             f"{dataset_dir}: no preference pair has both replies to train on (left out, by reason: {dropped})"
         )
+    team = world()
+    tracker = tracker if is_main(team) else None  # one process writes the run's metrics and files
     model = policy_model(
         base_model_dir,
         rank=lora.rank,
@@ -162,25 +249,18 @@ def train_dpo(
         target_modules=lora.target_modules,
         parent_adapter_dir=parent_adapter_dir,
         where=where,
+        quantization=quantization,
+        activation_checkpointing=activation_checkpointing,
+        max_seq_len=max_len,
     )
-    reference = reference_model(
-        base_model_dir, parent_adapter_dir=parent_adapter_dir, where=where, tokenizer_dir=tokenizer_dir
+    shape = {"row_len": max_len, "pad_id": pad_id, "device": where.device}
+    budget = least(token_budget(micro_batch_tokens, where=where, model=model, max_seq_len=max_len), world())
+    # the reference never changes: once, before training, through the same model (no second base)
+    ref_chosen_all, ref_rejected_all = reference_logprobs(
+        model, reference_of(model, parent_adapter_dir), pairs, budget=budget, **shape
     )
-
-    def logprobs(net: Any, batch: list[int]) -> tuple[Any, Any]:
-        """Summed log-probabilities of the chosen and the rejected reply of each pair in ``batch``."""
-        examples = [pairs[i][0] for i in batch] + [pairs[i][1] for i in batch]
-        summed, _, _ = sequence_logprobs(net, examples, row_len=max_len, pad_id=pad_id, device=where.device)
-        return summed[: len(batch)], summed[len(batch) :]
-
-    with torch.no_grad():  # the reference never changes: once, before training
-        ref_chosen, ref_rejected = [], []
-        for start in range(0, len(pairs), REFERENCE_BATCH):
-            c, r = logprobs(reference, list(range(start, min(start + REFERENCE_BATCH, len(pairs)))))
-            ref_chosen.append(c)
-            ref_rejected.append(r)
-        ref_chosen_all, ref_rejected_all = torch.cat(ref_chosen), torch.cat(ref_rejected)
-    del reference
+    if REFERENCE in model.peft_config:  # its weights are not needed again, and never saved with the policy
+        model.delete_adapter(REFERENCE)
     chosen_tokens = torch.tensor(
         [sum(label != IGNORE for label in c[1]) for c, _ in pairs], dtype=torch.float32, device=where.device
     )
@@ -199,16 +279,20 @@ def train_dpo(
             "tools": content_hash([r.get("tools") for r in rows]),
             "max_len": max_len,
             "parent": str(parent_adapter_dir),
+            # a 4-bit base is another job (the key of a job on the unquantized base stays as it was)
+            **({"quantization": quantization} if quantization != "none" else {}),
         }  # fmt: skip
     )
     ckpt_root = output_dir / "checkpoint"
     if (done := finished_before(ckpt_root, job_key=job_key)) is not None:
         return done  # it finished, then its registry commit failed: no step is trained again, no second run
     start = resume(ckpt_root, job_key=job_key, model=model, optim=optim, sched=sched, total=total)
+    broadcast_parameters(params, team)  # every process resumed the same files; this makes it certain
 
     # ---- train -------------------------------------------------------------------------------------
     with contextlib.ExitStack() as stack:
         stack.enter_context(merged_lora(model))
+        stack.enter_context(padding_free(model))  # GPU: packed rows without a 4D mask; no-op on the CPU
         run_id = None
         if tracker:
             run_id = stack.enter_context(
@@ -226,37 +310,42 @@ def train_dpo(
         every = max(1, -(-total // LOSS_POINTS))
         while step < total:
             batch = batch_indices(len(pairs), settings.batch_size, step, seed)
-            index = torch.tensor(batch, device=where.device)
-            policy_chosen, policy_rejected = logprobs(model, batch)
-            chosen_reward = settings.beta * (policy_chosen - ref_chosen_all[index])
-            rejected_reward = settings.beta * (policy_rejected - ref_rejected_all[index])
-            loss = -F.logsigmoid(chosen_reward - rejected_reward).mean()
-            if settings.sft_weight > 0:
-                loss = loss + settings.sft_weight * (-policy_chosen / chosen_tokens[index]).mean()
-            loss.backward()
+            # sums over this process's micro-batches: loss, margin, margin > 0, chosen and rejected reward
+            sums = torch.zeros(5, dtype=torch.float64, device=where.device)
+            for group in share(split(pair_lengths(pairs, batch), budget, team), team):
+                part = [batch[j] for j in group]
+                index = torch.tensor(part, device=where.device)
+                policy_chosen, policy_rejected = pair_logprobs(model, pairs, part, **shape)
+                chosen_reward = settings.beta * (policy_chosen - ref_chosen_all[index])
+                rejected_reward = settings.beta * (policy_rejected - ref_rejected_all[index])
+                per_pair = -F.logsigmoid(chosen_reward - rejected_reward)
+                if settings.sft_weight > 0:
+                    per_pair = per_pair + settings.sft_weight * (-policy_chosen / chosen_tokens[index])
+                (per_pair.sum() / len(batch)).backward()  # summed over the micro-batches: the batch's mean
+                margin = (chosen_reward - rejected_reward).detach()
+                sums += torch.stack([per_pair.detach().sum(), margin.sum(), (margin > 0).sum(),
+                                     chosen_reward.detach().sum(), rejected_reward.detach().sum()]).double()  # fmt: skip
+            if team.size > 1:
+                dist.all_reduce(sums)
+            reduce_gradients(params, team)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
             step += 1
-            tokens += sum(len(pairs[i][0][0]) + len(pairs[i][1][0]) for i in batch)
-            loss_value = float(loss.detach())
-            margin = chosen_reward.detach() - rejected_reward.detach()
+            tokens += sum(pair_lengths(pairs, batch))
+            means = (sums / len(batch)).tolist()
+            loss_value = means[0]
             if step % every == 0 or step == total:
                 curve.append((step, round(loss_value, 5)))
             if tracker:
-                for key, value in {
-                    "train_loss": loss_value,
-                    "reward_margin": float(margin.mean()),
-                    "reward_accuracy": float((margin > 0).float().mean()),
-                    "chosen_reward": float(chosen_reward.detach().mean()),
-                    "rejected_reward": float(rejected_reward.detach().mean()),
-                }.items():
+                names = ("train_loss", "reward_margin", "reward_accuracy", "chosen_reward", "rejected_reward")
+                for key, value in zip(names, means, strict=True):
                     tracker.log_metric(key, value, step=step)
             if progress is not None:
                 progress(step, total, loss_value)
             interrupted = stop_after_steps is not None and step - start >= stop_after_steps and step < total
-            if step % settings.checkpoint_every == 0 or interrupted:
+            if (step % settings.checkpoint_every == 0 or interrupted) and is_main(team):
                 save_checkpoint(ckpt_root, job_key=job_key, step=step, model=model, optim=optim, sched=sched,
                                 get_state=get_peft_model_state_dict)  # fmt: skip
             if interrupted:
@@ -267,25 +356,30 @@ def train_dpo(
         seconds = time.perf_counter() - started
 
         # ---- save ----------------------------------------------------------------------------------
-        adapter_dir, adapter_sha = save_adapter(
-            model,
-            output_dir,
-            record={
-                **(lineage or {}),
-                "method": "dpo",
-                "dataset_sha256": data_hash,
-                "base_model_sha256": weights_sha256(base_model_dir),
-                "code_version": (lineage or {}).get("code_version") or git_describe(),
-                "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
-                "reference": "parent adapter" if parent_adapter_dir else "base model",
-                "train_config": {**settings.model_dump(), "lora": lora.model_dump(), "seed": seed},
-                "steps": total,
-                "final_loss": loss_value,
-                "pairs": len(pairs),
-                "token_ids": token_ids,
-            },
-            tracker=tracker,
-        )
+        adapter_dir, adapter_sha = output_dir / "adapter", ""
+        if is_main(team):
+            adapter_dir, adapter_sha = save_adapter(
+                model,
+                output_dir,
+                record={
+                    **(lineage or {}),
+                    "method": "dpo",
+                    "dataset_sha256": data_hash,
+                    "base_model_sha256": weights_sha256(base_model_dir),
+                    "code_version": (lineage or {}).get("code_version") or git_describe(),
+                    "parent_adapter": str(parent_adapter_dir) if parent_adapter_dir else None,
+                    "reference": "parent adapter" if parent_adapter_dir else "base model",
+                    "train_config": {**settings.model_dump(), "lora": lora.model_dump(), "seed": seed},
+                    "steps": total,
+                    "final_loss": loss_value,
+                    "pairs": len(pairs),
+                    "token_ids": token_ids,
+                },
+                tracker=tracker,
+            )
+        if team.size > 1:  # the other processes return the adapter the main one saved
+            dist.barrier()
+            adapter_sha = adapter_sha or file_sha256(adapter_dir / "adapter_model.safetensors")
 
     # ---- clean up ----------------------------------------------------------------------------------
     del model, optim
@@ -303,4 +397,6 @@ def train_dpo(
         dropped=dropped,
         token_ids=token_ids,
     )
+    if not is_main(team):
+        return result
     return finish(ckpt_root, job_key=job_key, result=result, keep=keep_checkpoints)
