@@ -69,3 +69,18 @@ def test_text_prompts_are_refused(loaded):
     model, tok = loaded
     with pytest.raises(TypeError, match="token ids"):
         generate(model, tok, ["<|user|>1+2=?<|assistant|>"], SamplingConfig(temperature=0, max_new_tokens=2))
+
+
+def test_kv_cache_choice(loaded):
+    """``auto`` is the dynamic cache off CUDA (the static one measured slower on the CPU), ``static`` a
+    preallocated ``StaticCache`` of the batch's full length; a misspelt kind is refused."""
+    from transformers import StaticCache
+
+    from pipeline.modeling.decoding import kv_cache
+
+    model, _ = loaded
+    assert kv_cache(model, SamplingConfig(), length=50) is None
+    static = kv_cache(model, SamplingConfig(kv_cache="static"), length=50)
+    assert isinstance(static, StaticCache) and static.layers[0].max_cache_len == 50
+    with pytest.raises(ValueError, match="kv_cache"):
+        kv_cache(model, SamplingConfig(kv_cache="paged"), length=50)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.modeling.decoding import cache_keyword
+from pipeline.modeling.decoding import cache_keyword, select_rows
 from pipeline.modeling.detokenization import TextStream
 from pipeline.modeling.grammar import (
     GrammarError,
@@ -120,22 +120,29 @@ def _holdback(text: str, stop: tuple[str, ...]) -> int:
     return best
 
 
-def _pick(logits: Any, reqs: list[GenerationRequest], gens: list[Any]) -> list[int]:
+def _pick(logits: Any, reqs: list[GenerationRequest], gens: list[Any]) -> Any:
+    """The next id of every row, chosen on the logits' device (a ``[rows]`` tensor there: the caller copies
+    it to the host once and feeds it back as the next step's input without a copy back).
+
+    Sampled rows (temperature > 0) take ``torch.multinomial``'s single-draw algorithm,
+    ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator (on the device), without
+    copying its probabilities to the host; on the CPU a seed decodes exactly as ``multinomial`` did."""
     import torch
 
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for i, r in enumerate(reqs):
-        if r.temperature <= 0:
-            out.append(greedy[i])
-            continue
+    picked = logits.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
+    draws = []
+    for i in sampled:  # per row as before (its own temperature, top-p and generator), nothing synchronised
+        r = reqs[i]
         probs = torch.softmax(logits[i].float() / r.temperature, dim=-1)
         if r.top_p < 1.0:
             sorted_p, idx = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < r.top_p
             probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-        out.append(int(torch.multinomial(probs.cpu(), 1, generator=gens[i])))
-    return out
+        draws.append((probs / torch.empty_like(probs).exponential_(1, generator=gens[i])).argmax())
+    if draws:
+        picked[torch.tensor(sampled, device=logits.device)] = torch.stack(draws)
+    return picked
 
 
 def _token(vocab_bytes: list[bytes], tok: int) -> tuple[str, list[int]]:
@@ -180,8 +187,9 @@ def decode_batch(
         mask[i, width - len(r.prompt_ids) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     ids, mask, pos = ids.to(rt.device), mask.to(rt.device), pos.to(rt.device)
-    gens = [
-        torch.Generator().manual_seed(r.seed if r.seed is not None else torch.seed() % 2**63) for r in reqs
+    gens = [  # on the device: sampling draws there (``_pick``)
+        torch.Generator(device=rt.device).manual_seed(r.seed if r.seed is not None else torch.seed() % 2**63)
+        for r in reqs
     ]
     streams = [TextStream(rt.tokenizer) for _ in range(n)]
     texts, sent, counts = [""] * n, [0] * n, [0] * n
@@ -238,7 +246,8 @@ def decode_batch(
                 if none_left:  # nothing is allowed (no end token to finish on): the row ends here
                     dead.add(b)
                     logits[b, 0] = 0.0
-        chosen = _pick(logits, [reqs[i] for i in active], [gens[i] for i in active])
+        picked = _pick(logits, [reqs[i] for i in active], [gens[i] for i in active])
+        chosen = picked.tolist()  # the step's one copy to the host
         if lp_rows:
             for b, item in zip(
                 lp_rows,
@@ -285,12 +294,12 @@ def decode_batch(
             sent[i] = max(sent[i], upto)
             if not done:
                 keep.append(b)
-        next_ids = torch.tensor(chosen, dtype=torch.long, device=rt.device)[:, None]
+        next_ids = picked[:, None]
         if len(keep) < len(active):
             if not keep:
                 break
             sel = torch.tensor(keep, dtype=torch.long, device=rt.device)
-            past.batch_select_indices(sel)
+            select_rows(past, sel)
             mask, step_pos, next_ids = mask[sel], step_pos[sel], next_ids[sel]
             active = [active[b] for b in keep]
         mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long, device=rt.device)], dim=1)

@@ -32,13 +32,17 @@ class MixedLora:
     names: list[str] = field(default_factory=list)
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (adapter index, start, end)
     row_runs: list[tuple[int, int, int]] = field(default_factory=list)  # the same, base rows (-1) included
-    mask: Any = None  # [rows, n*rank] float, 1 on each row's own adapter block
+    mask: Any = None  # [rows, n*rank], on the model's device: 1 on each row's own adapter block
     version: int = 0
     layers: int = 0
     groups: int = 0
+    device: Any = None  # where the mask is built: the LoRA weights' device and dtype
+    dtype: Any = None
 
     def set_rows(self, names: list[str]) -> None:
-        """Per-row adapters for the next forward calls (grouped by adapter for ``segments``)."""
+        """Per-row adapters for the next forward calls (grouped by adapter for ``segments``). The mask is
+        built on the device, once per batch composition: the rows' adapter indices go over (one small
+        copy), each row's block is compared there; layers broadcast it over the row's positions."""
         if names == self.names and self.mask is not None:
             return
         import torch
@@ -53,11 +57,9 @@ class MixedLora:
                 segs.append((k, i, i + 1))
         self.segments = [s for s in segs if s[0] >= 0]
         self.row_runs = segs
-        mask = torch.zeros(len(ids), len(self.adapters) * self.rank)
-        for i, k in enumerate(ids):
-            if k >= 0:
-                mask[i, k * self.rank : (k + 1) * self.rank] = 1.0
-        self.mask = mask
+        blocks = torch.arange(len(self.adapters) * self.rank, device=self.device) // self.rank
+        rows = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self.mask = (blocks[None, :] == rows[:, None]).to(self.dtype or torch.float32)
         self.version += 1
 
 
@@ -87,8 +89,6 @@ class _Group:
     x: Any = None
     h: Any = None
     version: int = -1
-    mask: Any = None
-    mask_key: tuple = ()
 
 
 def install(
@@ -112,6 +112,8 @@ def install(
     merge = weight_bytes * len(adapters) <= merge_budget_bytes
     mode = "merged" if merge else "stacked" if len(adapters) * rank <= max_stacked else "segments"
     state = MixedLora(adapters=list(adapters), rank=rank, mode=mode, layers=len(layers))
+    if layers:
+        state.device, state.dtype = layers[0].base_layer.weight.device, layers[0].base_layer.weight.dtype
     n = len(adapters)
     key = tuple(id(m) for m in layers)
     leaders = calibration.get(key) if calibration is not None else None
@@ -201,12 +203,9 @@ def _forward(
             return result
         if group.x is not x or group.version != state.version:
             flat = x.reshape(-1, x.shape[-1]).to(group.a.dtype)
-            key = (state.version, flat.shape[0])
-            if group.mask_key != key:  # once per batch composition and shape
-                per_row = flat.shape[0] // state.mask.shape[0]
-                mask = state.mask.repeat_interleave(per_row, dim=0).repeat(1, group.members)
-                group.mask, group.mask_key = mask.to(device=group.a.device, dtype=group.a.dtype), key
-            group.h, group.x, group.version = (flat @ group.a).mul_(group.mask), x, state.version
+            h = flat @ group.a  # [rows * positions, members * n * r]; each row keeps its own blocks:
+            h.view(state.mask.shape[0], -1, group.members, width).mul_(state.mask[:, None, None, :])
+            group.h, group.x, group.version = h, x, state.version
         out = result.view(-1, result.shape[-1])
         out.addmm_(group.h[:, offset : offset + width].to(out.dtype), b_cat.to(out.dtype))
         return result
