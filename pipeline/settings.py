@@ -61,6 +61,33 @@ class Settings(BaseSettings):
         "or `process` (plain processes with resource limits: no isolation, for trusted data only).",
     )
 
+    rollout_engine: Literal["embedded", "openai"] = Field(
+        default="embedded",
+        description="Where the loop samples (collection, discovery, evaluation, GRPO rollouts): `embedded` "
+        "(in this process, one copy of the base holding every specialist's adapter) or `openai` (a vLLM / "
+        "SGLang server the operator started with LoRA and runtime adapter loading on, or `ratchet serve "
+        "--expose-adapters`, at `rollout_engine_url`: adapters loaded by versioned name, prompts sent as "
+        "token ids, each adapter checked by the parity probe before it samples).",
+    )
+    rollout_engine_url: str | None = Field(
+        default=None,
+        description="Base URL of the `openai` rollout engine (e.g. http://127.0.0.1:8000; `/v1` is added).",
+    )
+    rollout_engine_api_key: str | None = Field(
+        default=None,
+        description="Bearer key sent to the `openai` rollout engine; it must be allowed to load adapters "
+        "(vLLM: `--api-key`; `ratchet serve --expose-adapters`: a key with the admin scope).",
+    )
+    parity_tolerance: float = Field(
+        default=0.05,
+        gt=0,
+        description="The parity probe's limit: the largest mean absolute difference, over one probe "
+        "prompt's tokens, between the prompt log-probabilities the `openai` engine reports for a loaded "
+        "adapter and those of the trainer's own forward (base + adapter); above it the engine is refused "
+        "for that adapter. 0.05 leaves room for a bf16 engine's kernels; a stale or wrong adapter differs "
+        "by far more.",
+    )
+
     @property
     def registry_url(self) -> str:
         if self.database_url:

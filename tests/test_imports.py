@@ -114,7 +114,6 @@ COSTLY = HEAVY | {"fastapi", "uvicorn"}
 CLI_ENTRY = frozenset({"pipeline.cli", "pipeline.cli.app"})
 # looked up when called because a test replaces it (monkeypatch): (module, imported from, name) -> the test
 PER_CALL = {
-    ("pipeline.modeling.pair", "pipeline.modeling.decoding", "generate"): "tests/test_template_paths.py",
     ("pipeline.loop.advance", "pipeline.codesign", "codesign_step"): "tests/test_advance.py",
     ("pipeline.codesign.step", "pipeline.codesign.operators", "propose_variants"): "tests/test_heldout.py",
 }

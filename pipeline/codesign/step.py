@@ -21,7 +21,7 @@ from pipeline.loop.candidate import (
     mark_step,
     step_seed,
 )
-from pipeline.modeling.pair import cached_model, offered_tools, pair_for_generation
+from pipeline.modeling.pair import offered_tools, pair_for_generation, pair_model
 from pipeline.modeling.prompting import render_messages
 from pipeline.modeling.templating import TemplateError, encode_prompt
 from pipeline.registry import get_engine, register_harness, session_scope
@@ -53,9 +53,7 @@ def refusal(pair: PairSpec, specialist: str, item: dict[str, Any]) -> str | None
     """Why the pair's chat template cannot encode ``item``'s prompt under its harness, as ``pair.answer_items``
     builds it (None: it can)."""
 
-    _, tokenizer = cached_model(
-        pair.base_dir, pair.adapters[specialist], where=pair.where, tokenizer_dir=pair.tokenizer_dir
-    )
+    tokenizer = pair_model(pair).tokenizer
     tools = (item.get("metadata") or {}).get("tools") or offered_tools(pair.harness, specialist)
     try:
         messages = render_messages(pair.harness, specialist, item["messages"])

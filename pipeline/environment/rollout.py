@@ -1,5 +1,7 @@
 """Running a model in the environment: ``collect`` experience (sample, verify, keep) and ``evaluate``
-greedily on a held-out suite. Both take a loaded ``(model, tokenizer)`` (see ``decoding.load_model``)."""
+greedily on a held-out suite. Both take a loaded ``(model, tokenizer)`` (see ``decoding.load_model``) and
+sample through a ``Sampler`` (``pipeline.modeling.samplers``): by default that model in this process; an
+``OpenAISampler`` with the served name of the same weights (``OpenAISampler.ready``) samples on an engine."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Any
 
 from pipeline.environment.tasks import completion_trace
 from pipeline.environment.verify import verify
-from pipeline.modeling.decoding import SamplingConfig, generate
+from pipeline.modeling.decoding import SamplingConfig
+from pipeline.modeling.samplers import EmbeddedSampler, Sampler
 from pipeline.modeling.templating import encode_prompt
 
 
@@ -52,10 +55,13 @@ def collect(
     batch_size: int = 256,
     dedupe: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    sampler: Sampler | None = None,
+    adapter: str | None = None,
 ) -> CollectResult:
     """Sample ``num_samples`` completions per training item, verify each, keep the verified ones as traces
     (``metadata.verified = True``; ``dedupe`` keeps one per distinct (item, completion)). Refuses
-    held-out items: they never enter a training stream."""
+    held-out items: they never enter a training stream. ``sampler`` / ``adapter``: where to sample (default:
+    ``model`` in this process)."""
 
     if any(item["metadata"].get("split") == "heldout" for item in items):
         raise ValueError("collect() got held-out items; held-out items never enter a training set")
@@ -68,7 +74,8 @@ def collect(
         seed=seed,
     )
     prompts = [encode_prompt(tokenizer, item["messages"]) for item in items]
-    completions = generate(model, tokenizer, prompts, config, progress=progress)
+    sampler = sampler or EmbeddedSampler(model, tokenizer, progress=progress)
+    completions = [[s.text for s in row] for row in sampler.sample(prompts, config, adapter=adapter)]
     traces, solved, verified, seen = [], 0, 0, set()
     for item, texts in zip(items, completions, strict=True):
         any_ok = False
@@ -98,14 +105,18 @@ def evaluate(
     max_new_tokens: int = 40,
     batch_size: int = 256,
     progress: Callable[[int, int], None] | None = None,
+    sampler: Sampler | None = None,
+    adapter: str | None = None,
 ) -> EvalResult:
-    """Greedy accuracy of the model on ``suite`` (held-out items), by the environment's verifiers."""
+    """Greedy accuracy of the model on ``suite`` (held-out items), by the environment's verifiers (sampled
+    where ``sampler`` / ``adapter`` say, as ``collect``)."""
 
     config = SamplingConfig(
         temperature=0.0, num_samples=1, max_new_tokens=max_new_tokens, batch_size=batch_size
     )
     prompts = [encode_prompt(tokenizer, item["messages"]) for item in suite]
-    completions = generate(model, tokenizer, prompts, config, progress=progress)
+    sampler = sampler or EmbeddedSampler(model, tokenizer, progress=progress)
+    completions = [[s.text for s in row] for row in sampler.sample(prompts, config, adapter=adapter)]
     hits: dict[str, list[bool]] = defaultdict(list)
     failures = []
     for item, (text,) in zip(suite, completions, strict=True):

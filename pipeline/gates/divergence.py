@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pipeline.loop.clock import CLOCK
-from pipeline.modeling.pair import cached_model, offered_tools
+from pipeline.modeling.pair import offered_tools, pair_model
 from pipeline.modeling.prompting import render_messages
 from pipeline.modeling.templating import RowSkipped, encode_chat
 
@@ -99,17 +99,17 @@ def specialist_divergence(
 
     started = time.perf_counter()
     mine, theirs = candidate.adapters.get(specialist), parent.adapters.get(specialist)
-    load = {"where": candidate.where, "tokenizer_dir": candidate.tokenizer_dir}
-    model, tokenizer = cached_model(candidate.base_dir, mine, **load)
-    max_len = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+    # one copy of the base holds the candidate's, the parent's and no adapter in turn (``pair.PairModel``)
+    shared = pair_model(candidate)
+    tokenizer = shared.tokenizer
+    max_len = int(getattr(shared.model.config, "max_position_embeddings", 0) or 4096)
     examples = answer_examples(candidate, specialist, traces[:MAX_ITEMS], tokenizer, max_len)
     if not examples:
         return None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # the references, held here for the whole measurement (the model cache keeps one large model only)
-    base = cached_model(candidate.base_dir, None, **load)[0] if mine is not None else None
-    # the parent's own adapter: 0; a parent without one is the bare base (the same sum as to_base)
-    up = cached_model(parent.base_dir, theirs, **load)[0] if theirs is not None and mine != theirs else None
+    # the references: the bare base, and the parent's own adapter (to itself: 0; a parent without one is the
+    # bare base, the same sum as to_base)
+    to_up = theirs is not None and mine != theirs
     tokens, to_base, to_parent = 0, 0.0, 0.0
     for at in range(
         0, len(examples), CHUNK
@@ -117,12 +117,15 @@ def specialist_divergence(
         chunk = examples[at : at + CHUNK]
         # model compute (teacher-forced forwards), as bench/overhead.py counts it
         with CLOCK.measure("forward"):
-            p_log = answer_logprobs(model, chunk, pad)
+            with shared.use(mine) as model:
+                p_log = answer_logprobs(model, chunk, pad)
             tokens += int(p_log.shape[0])
-            if base is not None:
-                to_base += kl_sum(p_log, answer_logprobs(base, chunk, pad))
-            if up is not None:
-                to_parent += kl_sum(p_log, answer_logprobs(up, chunk, pad))
+            if mine is not None:
+                with shared.use(None) as model:
+                    to_base += kl_sum(p_log, answer_logprobs(model, chunk, pad))
+            if to_up:
+                with shared.use(theirs) as model:
+                    to_parent += kl_sum(p_log, answer_logprobs(model, chunk, pad))
     if theirs is None:
         to_parent = to_base
     to_base, to_parent = to_base / max(tokens, 1), to_parent / max(tokens, 1)

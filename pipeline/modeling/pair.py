@@ -1,17 +1,20 @@
 """A model-harness pair at work: load a generation's specialists and answer task items under its harness.
 
-Used by collection (sampling the champion in the task environment) and by held-out evaluation
+Used by collection (sampling the champion in the task environment), discovery and held-out evaluation
 (greedy answers scored under the contract). Each specialist answers its own items with its own
-adapter (or the bare base when it has none yet).
+adapter (or the bare base when it has none yet): in this process on one shared copy of the base holding
+every adapter by name (``PairModel``), or on an OpenAI-compatible engine (``RATCHET_ROLLOUT_ENGINE=openai``,
+``pipeline.modeling.samplers``). The divergence gate (``gates.divergence``) switches the same copy between
+the candidate's, the parent's and no adapter.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +24,12 @@ from jinja2 import TemplateError
 from pipeline.errors import RatchetError
 from pipeline.experience.toolcalls import answered_trace
 from pipeline.loop.clock import CLOCK
-from pipeline.modeling.decoding import load_model
+from pipeline.modeling.decoding import SamplingConfig, load_model
 from pipeline.modeling.placement import spec_placement, tokenizer_dir
 from pipeline.modeling.prompting import decoding_for, render_messages
+from pipeline.modeling.samplers import OpenAISampler, sampler_for
 from pipeline.modeling.templating import encode_prompt
+from pipeline.settings import get_settings
 from pipeline.specs.harness import HarnessSpec
 from pipeline.specs.loading import file_sha256
 from pipeline.specs.modelspec import ModelSpec
@@ -78,57 +83,87 @@ def pair_for_generation(generation: Generation) -> PairSpec:
     )
 
 
-_MODELS: dict[tuple[str, str | None, str], tuple[Any, Any]] = {}
-_MODELS_LOCK = threading.Lock()
-SMALL_MODEL_PARAMETERS = 50_000_000  # below this, keep several merged copies in memory
+_PAIRS_LOCK = threading.Lock()
+SMALL_MODEL_PARAMETERS = 50_000_000  # below this, two bases may be kept in memory at once
 
 
-def cached_model(
-    base_dir: Path,
-    adapter_dir: Path | None,
-    *,
-    where: Placement | None = None,
-    tokenizer_dir: Path | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` for a base + adapter, merged for decoding, kept for reuse in this process.
+class PairModel:
+    """One copy of a base holding every adapter it was asked for as a named peft adapter (unmerged).
 
-    Keyed by the adapter's weights file identity (path, size, mtime), so a retrained adapter is reloaded,
-    and by the placement and tokenizer.
-    Small models keep up to 16 merged copies (collection, co-design and evaluation reload the same
-    pairs many times); larger ones keep only the most recent.
+    ``use(adapter_dir)`` makes the model that adapter (``set_adapter``) or the bare base (adapters disabled)
+    for the duration of a ``with``: collection, discovery and evaluation answer every specialist of a pair,
+    and both pairs of an evaluation, on this one copy -- the peak is one base, where merging a deep copy per
+    specialist held up to three. Adapters are keyed by their weights file's identity (path, size, mtime: a
+    retrained adapter is loaded again); beyond ``MAX_ADAPTERS`` the least recently used is deleted.
     """
-    ident = None
-    if adapter_dir is not None:
-        stat = (Path(adapter_dir) / "adapter_model.safetensors").stat()
-        ident = f"{Path(adapter_dir).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    place = f"{where}:{tokenizer_dir}"
-    key = (str(Path(base_dir).resolve()), ident, place)
-    with _MODELS_LOCK:
-        found = _MODELS.pop(key, None)
-        if found is None:
-            base, tokenizer = _MODELS.get((key[0], None, place)) or _load_base(base_dir, where, tokenizer_dir)
+
+    def __init__(self, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+        self.model: Any = base  # a PeftModel once the first adapter is loaded
+        self.tokenizer = tokenizer
+        self.names: dict[str, str] = {}  # adapter identity -> peft adapter name, least recently used first
+        self._count = 0
+        self.lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def use(self, adapter_dir: Path | None) -> Iterator[Any]:
+        """The model answering as base + ``adapter_dir`` (``None``: the bare base) inside the ``with``."""
+        with self.lock:
             if adapter_dir is None:
-                found = (base, tokenizer)
-            else:  # a private copy of the loaded base, with the adapter merged in (no re-reading the base)
-                from peft import PeftModel
+                if not self.names:
+                    yield self.model
+                else:
+                    with self.model.disable_adapter():
+                        yield self.model
+                return
+            name = self._attach(Path(adapter_dir))  # may wrap the base: then ``self.model`` is new
+            self.model.set_adapter(name)
+            yield self.model
 
-                model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).merge_and_unload()
-                found = (model.eval(), tokenizer)
-        _MODELS[key] = found  # most recent last
-        size = sum(p.numel() for p in found[0].parameters())
-        keep = 16 if size < SMALL_MODEL_PARAMETERS else 1
-        while len(_MODELS) > keep:
-            _MODELS.pop(next(iter(_MODELS)))
+    def _attach(self, adapter_dir: Path) -> str:
+        from peft import PeftModel
+
+        ident = _identity(adapter_dir)
+        name = self.names.pop(ident, None)
+        if name is None:
+            self._count += 1
+            name = f"adapter{self._count}"  # peft nests modules by adapter name: no dots, no paths
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(adapter_dir, adapter_name=name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, adapter_dir, adapter_name=name)
+            self.model.eval()
+        self.names[ident] = name  # most recent last
+        while len(self.names) > MAX_ADAPTERS:
+            old = self.names.pop(next(iter(self.names)))
+            self.model.set_adapter(name)
+            self.model.delete_adapter(old)
+        return name
+
+
+MAX_ADAPTERS = 16  # LoRA weights kept on the shared base (two pairs of up to 8 specialists)
+_PAIRS: dict[tuple[str, str], PairModel] = {}
+
+
+def _identity(adapter_dir: Path) -> str:
+    stat = (Path(adapter_dir) / "adapter_model.safetensors").stat()
+    return f"{Path(adapter_dir).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def pair_model(pair: PairSpec) -> PairModel:
+    """The process's shared model for ``pair``'s base, placement and tokenizer (loaded once; a large base
+    replaces the last one, so one large base is held)."""
+    key = (str(Path(pair.base_dir).resolve()), f"{pair.where}:{pair.tokenizer_dir}")
+    with _PAIRS_LOCK:
+        found = _PAIRS.pop(key, None)
+        if found is None:
+            model, tokenizer = load_model(pair.base_dir, where=pair.where, tokenizer_dir=pair.tokenizer_dir)
+            found = PairModel(model, tokenizer)
+            if sum(p.numel() for p in model.parameters()) >= SMALL_MODEL_PARAMETERS:
+                _PAIRS.clear()
+        _PAIRS[key] = found  # most recent last
+        while len(_PAIRS) > 2:
+            _PAIRS.pop(next(iter(_PAIRS)))
         return found
-
-
-def _load_base(
-    base_dir: Path, where: Placement | None, tokenizer_dir: Path | None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-
-    base = load_model(base_dir, where=where, tokenizer_dir=tokenizer_dir)
-    _MODELS[(str(Path(base_dir).resolve()), None, f"{where}:{tokenizer_dir}")] = base
-    return base
 
 
 def offered_tools(harness: HarnessSpec, specialist: str) -> list[dict[str, Any]]:
@@ -147,22 +182,23 @@ def answer_items(
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Answer every item with its specialist; returns, per specialist and item, ``num_samples`` traces.
 
-    ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness).
+    ``temperature=None`` uses the harness's decoding parameters (greedy for the demo harness). Sampled where
+    ``RATCHET_ROLLOUT_ENGINE`` says (``pipeline.modeling.samplers``): ``embedded``, in this process on the
+    pair's one shared model (``pair_model``); ``openai``, on the engine, each adapter loaded by its versioned
+    name and parity-probed against that shared model first (once per process).
     """
-    from pipeline.modeling.decoding import (  # lazy: looked up per call: tests replace generate
-        SamplingConfig,
-        generate,
-    )
-
+    settings = get_settings()
     total = sum(len(v) * num_samples for v in items_by_specialist.values())
     done = 0
     out: dict[str, list[list[dict[str, Any]]]] = {}
+    shared: PairModel | None = None
     for specialist, items in items_by_specialist.items():
         if not items:
             out[specialist] = []
             continue
         if specialist not in pair.adapters:
             raise RatchetError(f"the pair has no specialist {specialist!r} (has {sorted(pair.adapters)})")
+        shared = shared or pair_model(pair)
         decoding = decoding_for(pair.harness, specialist)
         temp = decoding.temperature if temperature is None else temperature
         config = SamplingConfig(
@@ -173,9 +209,7 @@ def answer_items(
             stop=tuple(decoding.stop),
             seed=seed,
         )
-        model, tokenizer = cached_model(
-            pair.base_dir, pair.adapters[specialist], where=pair.where, tokenizer_dir=pair.tokenizer_dir
-        )
+        tokenizer = shared.tokenizer
         fmt = pair.harness.tool_call_format
         tools = offered_tools(pair.harness, specialist)
         try:
@@ -200,12 +234,22 @@ def answer_items(
             if progress is not None:
                 progress(base_done + round(share * n / max(of, 1)), total)
 
-        started = time.perf_counter()
-        completions = generate(model, tokenizer, prompts, config, progress=report)
-        CLOCK.add("generate", time.perf_counter() - started)
+        adapter_dir = pair.adapters[specialist]
+        with shared.use(adapter_dir) as model:
+            sampler = sampler_for(settings, tokenizer=tokenizer, model=model, progress=report)
+            served = None
+            if isinstance(sampler, OpenAISampler):
+                served = sampler.ready(
+                    adapter_dir, name=specialist, model=model, tolerance=settings.parity_tolerance
+                )
+            started = time.perf_counter()
+            completions = sampler.sample(prompts, config, adapter=served)
+            CLOCK.add("generate", time.perf_counter() - started)
+        if served is not None:  # the engine reports no progress of its own
+            report(1, 1)
         done += len(items) * num_samples
         out[specialist] = [
-            [answered_trace(item, text, fmt=fmt, tools=tools) for text in texts]
-            for item, texts in zip(items, completions, strict=True)
+            [answered_trace(item, s.text, fmt=fmt, tools=tools) for s in samples]
+            for item, samples in zip(items, completions, strict=True)
         ]
     return out

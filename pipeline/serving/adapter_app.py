@@ -6,13 +6,14 @@ front of it exactly as it would in front of vLLM. It is also how the external pa
 
 Adapters are added and removed at run time with vLLM's endpoints: ``POST /v1/load_lora_adapter``
 (``{"lora_name", "lora_path"}``, optionally ``sha256`` and ``base_model_id``, which vLLM does not have) and
-``POST /v1/unload_lora_adapter`` (``{"lora_name"}``). A loaded name is listed by ``/v1/models`` and can be
-requested as ``model``. Loading checks what ``load_runtime`` checks (safetensors only, a valid header of
-float LoRA weights of the config's rank, the sha256 when given, the rank maximum, the base model id when
-given, every weight landing on a module) and needs the ``admin`` scope (``RATCHET_API_KEY``, or a key
-granted it): without any key configured, both endpoints are refused. Only directories inside the artifact
-store (``RATCHET_HOME``'s) or an ``adapter_roots`` directory are loaded; any other path, a URL, or a link
-leading outside is refused (400). Every refusal is one line.
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``). A loaded name is listed by ``/v1/models`` (with vLLM's
+``parent``: None for a name the bare base answers) and can be requested as ``model``. Loading checks what
+``load_runtime`` checks (safetensors only, a valid header of float LoRA weights of the config's rank, the
+sha256 when given, the rank maximum, the base model id when given, every weight landing on a module) and
+needs the ``admin`` scope (``RATCHET_API_KEY``, or a key granted it): without any key configured, both
+endpoints are refused. Only directories inside the artifact store (``RATCHET_HOME``'s) or an
+``adapter_roots`` directory are loaded; any other path, a URL, or a link leading outside is refused (400).
+Every refusal is one line.
 
 Unloading a name ends the requests in flight for it: a stream gets an OpenAI-style error event
 (``data: {"error": {...}}``) and is closed, a non-streamed request a 404 error; the unload itself succeeds.
@@ -24,6 +25,10 @@ A chat request is decoded as vLLM decodes it: the offered ``tools`` rendered int
 (finish reason ``tool_calls``; streamed as tool-call deltas once decoded); ``logprobs`` / ``top_logprobs``
 (one entry per token of the text, none for the end token). Unknown parameters are ignored, as vLLM does;
 what it does not do (``n`` > 1, penalties, ``logit_bias`` ...) is a 400 naming the parameter.
+
+vLLM's text completions (``POST /v1/completions``) take a prompt as token ids and give back token ids and
+log-probabilities, of the completion and (vLLM's ``prompt_logprobs``) of the prompt: the loop's ``openai``
+rollout engine and its parity probe speak it (``pipeline.serving.textcompletions``).
 """
 
 from __future__ import annotations
@@ -65,8 +70,9 @@ from pipeline.serving.protocol import (
     sse,
     usage_of,
 )
-from pipeline.serving.runtime import Abort
+from pipeline.serving.runtime import BASE, Abort
 from pipeline.serving.server import install_error_handlers
+from pipeline.serving.textcompletions import install_completions
 from pipeline.settings import get_settings
 from pipeline.specs.loading import file_sha256
 
@@ -136,9 +142,15 @@ def create_adapter_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         await access.require(request, "chat")
+        # vLLM's ``parent``: None for a name the bare base answers, the base's name for an adapter
+        bare = [n for n, s in names.items() if runtime.adapter_name(s) == BASE]
+        parent = {n: None if n in bare else (bare[0] if bare else BASE) for n in names}
         return {
             "object": "list",
-            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "ratchet"} for n in names],
+            "data": [
+                {"id": n, "object": "model", "created": 0, "owned_by": "ratchet", "parent": parent[n]}
+                for n in names
+            ],
         }
 
     @app.post("/v1/load_lora_adapter")
@@ -301,6 +313,9 @@ def create_adapter_app(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    install_completions(
+        app, engine, access=access, names=names, max_body_bytes=max_body_bytes, unloaded=unloaded
+    )
     return app
 
 
