@@ -239,8 +239,12 @@ def answer_items(
             sampler = sampler_for(settings, tokenizer=tokenizer, model=model, progress=report)
             served = None
             if isinstance(sampler, OpenAISampler):
-                served = sampler.ready(
-                    adapter_dir, name=specialist, model=model, tolerance=settings.parity_tolerance
+                served = sampler.ready(  # a few of these prompts probed too: the probe is not recognisable
+                    adapter_dir,
+                    name=specialist,
+                    model=model,
+                    tolerance=settings.parity_tolerance,
+                    prompts=prompts,
                 )
             started = time.perf_counter()
             completions = sampler.sample(prompts, config, adapter=served)

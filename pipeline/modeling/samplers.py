@@ -14,12 +14,26 @@ fixed probe batch (``probe_prompts``: a few short texts in the model's own token
 server (vLLM's ``prompt_logprobs``) and with the trainer's own forward (base + adapter, unmerged, float32
 log-softmax); the figure is the largest, over the probe prompts, mean absolute difference of the prompt
 tokens' log-probabilities. Above ``parity_tolerance`` the engine is refused for that adapter with one line
-(``EngineRefused``). The probe runs once per served name per process (``OpenAISampler.ready``).
+(``EngineRefused``). The probe runs once per served name per process (``OpenAISampler.ready``). The fixed
+prompts are recognisable, so a caller that knows the prompts it is about to sample passes them: a few,
+drawn at random per call (``SPOT_PROMPTS``, cut to ``SPOT_TOKENS``), are scored the same way at every
+``ready``, so a server cannot answer the probe with one set of weights and the workload with another.
+
+Every reply is untrusted: a field missing or of the wrong type, a count that is not what was asked for, a
+token id outside the vocabulary, a log-probability that is not a finite number <= 0, more tokens than
+``max_tokens``: ``EngineRefused``, one line. A completion's text is decoded here from its token ids, as the
+embedded engine decodes it (an end token dropped, special tokens skipped, cut at the first stop string), so
+what the loop stores and trains on is what the ids say, whatever text the server sent (vLLM's text also
+differs by its own detokenizer settings).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
+import secrets
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pipeline.errors import RatchetError
 from pipeline.modeling import decoding
 from pipeline.modeling.decoding import Sample, SamplingConfig
+from pipeline.modeling.engine_replies import EngineRefused, one_line, prompt_values, reply_samples
 from pipeline.modeling.templating import encode_text
 from pipeline.specs.loading import file_sha256
 
@@ -47,11 +62,9 @@ PROBE_TEXTS = (
     "Hello! How can I help you today? Set a timer for 5 minutes.",
 )
 PROBE_TOKENS = 32
+SPOT_PROMPTS = 2  # the caller's own prompts scored beside the fixed probe, drawn per ``ready``
+SPOT_TOKENS = 256  # each cut to its first tokens
 MAX_CONCURRENT = 64  # requests in flight to the engine at once (it batches them)
-
-
-class EngineRefused(RatchetError):
-    """The rollout engine does not serve what the trainer holds (the parity probe failed), or cannot be used."""
 
 
 class Sampler(Protocol):
@@ -119,12 +132,23 @@ class OpenAISampler:
             base_url=self.url, api_key=api_key or "none", timeout=timeout, max_retries=2
         )
         self.probed: dict[str, ProbeResult] = {}  # served name -> its passed probe
+        # what ends a completion (dropped from its text): the tokenizer's EOS, and the models' (``ready``)
+        self.end_ids: set[int] = decoding.end_token_ids(None, tokenizer)
 
     def base_model(self) -> str:
         """The served name of the bare base model."""
         if self._base_model is None:
-            listed = self.client.models.list().data
-            bare = [m.id for m in listed if (m.model_extra or {}).get("parent") is None]
+            import openai
+
+            try:
+                listed = self.client.models.list().data
+            except openai.APIError as exc:
+                raise EngineRefused(
+                    f"rollout engine at {self.url}: /v1/models: {one_line(str(exc))}"
+                ) from None
+            bare = [
+                m.id for m in listed if isinstance(m.id, str) and (m.model_extra or {}).get("parent") is None
+            ]
             if not bare:
                 raise EngineRefused(f"rollout engine at {self.url}: /v1/models lists no base model")
             self._base_model = bare[0]
@@ -161,12 +185,17 @@ class OpenAISampler:
         import httpx
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        r = httpx.post(
-            f"{self.url}/unload_lora_adapter",
-            json={"lora_name": served},
-            headers=headers,
-            timeout=self.timeout,
-        )
+        try:
+            r = httpx.post(
+                f"{self.url}/unload_lora_adapter",
+                json={"lora_name": served},
+                headers=headers,
+                timeout=self.timeout,
+            )
+        except (
+            httpx.HTTPError
+        ) as exc:  # raised in a caller's `finally`: one line, not a traceback over its own
+            raise EngineRefused(f"rollout engine at {self.url}: unloading {served!r} failed: {exc}") from None
         if r.status_code != 200:
             raise EngineRefused(
                 f"rollout engine at {self.url}: unloading {served!r} failed ({r.status_code}): "
@@ -174,28 +203,57 @@ class OpenAISampler:
             )
         self.probed.pop(served, None)
 
-    def ready(self, adapter_dir: Path | None, *, name: str, model: Any, tolerance: float) -> str:
+    def ready(
+        self,
+        adapter_dir: Path | None,
+        *,
+        name: str,
+        model: Any,
+        tolerance: float,
+        prompts: Sequence[Sequence[int]] = (),
+    ) -> str:
         """The served name to sample ``name`` with: its adapter loaded (``None``: the bare base) and probed
-        against ``model`` (base + that adapter, as the trainer holds it) once per process."""
+        against ``model`` (base + that adapter, as the trainer holds it) once per process; ``prompts``: the
+        ones about to be sampled, of which ``SPOT_PROMPTS`` drawn at random are scored at every call."""
         served = self.base_model() if adapter_dir is None else self.load(adapter_dir, name=name)
+        self.end_ids |= decoding.end_token_ids(model, self.tokenizer)
+        spot = spot_prompts(prompts)
         if served not in self.probed:
-            self.probed[served] = parity_probe(self, served, model, self.tokenizer, tolerance=tolerance)
+            batch = probe_prompts(self.tokenizer) + spot
+            self.probed[served] = parity_probe(
+                self, served, model, self.tokenizer, tolerance=tolerance, prompts=batch
+            )
+        elif spot:
+            try:
+                parity_probe(self, served, model, self.tokenizer, tolerance=tolerance, prompts=spot)
+            except EngineRefused:
+                self.probed.pop(served, None)  # probed again, in full, next time
+                raise
         return served
 
-    def _complete(self, prompt: Sequence[int], model: str, **kwargs: Any) -> Any:
+    def _complete(self, prompt: Sequence[int], model: str, **kwargs: Any) -> dict[str, Any]:
+        """The engine's reply to one completion request, as JSON (checked to have a list of choices)."""
         import openai
 
+        at = f"rollout engine at {self.url}, model {model!r}"
         try:
-            return self.client.completions.create(model=model, prompt=list(prompt), **kwargs)
+            raw = self.client.completions.with_raw_response.create(model=model, prompt=list(prompt), **kwargs)
+            body = raw.http_response.json()
         except openai.APIError as exc:
-            raise EngineRefused(f"rollout engine at {self.url}, model {model!r}: {exc}") from None
+            raise EngineRefused(f"{at}: {one_line(str(exc))}") from None
+        except ValueError:  # not JSON (json.JSONDecodeError is a ValueError)
+            raise EngineRefused(f"{at}: the reply is not JSON") from None
+        if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+            raise EngineRefused(f"{at}: the reply has no list of choices")
+        return body
 
     def sample(
         self, prompts: Sequence[Sequence[int]], config: SamplingConfig, *, adapter: str | None
     ) -> list[list[Sample]]:
         """``config.num_samples`` completions per prompt from the served ``adapter`` (a ``ready`` name;
         ``None``: the base), all prompts in flight at once (the engine batches them). Prompt ``i`` is sampled
-        with seed ``config.seed + i * num_samples`` (its choice ``j``: that plus ``j`` on ``ratchet serve``)."""
+        with seed ``config.seed + i * num_samples`` (its choice ``j``: that plus ``j`` on ``ratchet serve``).
+        Each reply is checked (``engine_replies.reply_samples``) and each text decoded here from its ids."""
         if config.temperature == 0 and config.num_samples != 1:
             raise ValueError(
                 "greedy decoding (temperature 0) gives one completion per prompt; set num_samples=1"
@@ -215,42 +273,30 @@ class OpenAISampler:
                 logprobs=0,
                 extra_body={"return_token_ids": True},
             )
-            return [_sample_of(c, self.url, model) for c in sorted(out.choices, key=lambda c: c.index)]
+            at = f"rollout engine at {self.url}, model {model!r}"
+            return reply_samples(out, config, vocab=len(self.tokenizer), text_of=self.text_of, at=at)
 
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_CONCURRENT, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
+    def text_of(self, ids: Sequence[int], stop: Sequence[str]) -> str:
+        """A completion's text as the embedded engine gives it for the same ids (``decoding.sample``): the
+        end token it stopped on dropped, special tokens skipped, cut at the first stop string."""
+        ids = list(ids[:-1] if ids and ids[-1] in self.end_ids else ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        hits = [at for at in (text.find(s) for s in stop) if at >= 0]
+        return text[: min(hits)] if hits else text
+
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, adapter: str) -> list[list[float]]:
         """Each prompt token's log-probability after the first, as the engine scores it under ``adapter``."""
+        at = f"rollout engine at {self.url}, model {adapter!r}"
         out = []
         for prompt in prompts:
-            choice = self._complete(
+            body = self._complete(
                 prompt, adapter, max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 0}
-            ).choices[0]
-            rows = (choice.model_extra or {}).get("prompt_logprobs")
-            if not isinstance(rows, list) or len(rows) != len(prompt):
-                raise EngineRefused(
-                    f"rollout engine at {self.url}: no prompt_logprobs for {adapter!r} "
-                    "(the parity probe needs vLLM's prompt_logprobs)"
-                )
-            out.append([float(rows[p][str(t)]["logprob"]) for p, t in enumerate(prompt) if p > 0])
+            )
+            out.append(prompt_values(body, prompt, at))
         return out
-
-
-def _sample_of(choice: Any, url: str, model: str) -> Sample:
-    extra = choice.model_extra or {}
-    ids = extra.get("token_ids")
-    if ids is None:
-        raise EngineRefused(
-            f"rollout engine at {url}, model {model!r}: no token_ids in the reply (vLLM >= 0.10.2 returns "
-            "them for return_token_ids)"
-        )
-    logprobs = tuple(float(x) for x in (choice.logprobs.token_logprobs if choice.logprobs else []))
-    if len(logprobs) != len(ids):
-        raise EngineRefused(
-            f"rollout engine at {url}, model {model!r}: {len(ids)} token ids, {len(logprobs)} logprobs"
-        )
-    return Sample(choice.text, tuple(int(t) for t in ids), logprobs)
 
 
 def probe_prompts(tokenizer: Any) -> list[list[int]]:
@@ -258,6 +304,14 @@ def probe_prompts(tokenizer: Any) -> list[list[int]]:
     one), each cut to ``PROBE_TOKENS`` tokens."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [(bos + encode_text(tokenizer, text))[:PROBE_TOKENS] for text in PROBE_TEXTS]
+
+
+def spot_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``SPOT_PROMPTS`` of ``prompts`` (those of at least two tokens) drawn at random, each cut to its first
+    ``SPOT_TOKENS``: unpredictable to the engine, unlike the fixed probe."""
+    usable = [list(p)[:SPOT_TOKENS] for p in prompts if len(p) >= 2]
+    rng = random.Random(secrets.randbits(64))
+    return rng.sample(usable, min(SPOT_PROMPTS, len(usable)))
 
 
 def local_prompt_logprobs(model: Any, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -281,18 +335,27 @@ def local_prompt_logprobs(model: Any, prompts: Sequence[Sequence[int]]) -> list[
 
 
 def parity_probe(
-    sampler: OpenAISampler, served_name: str, model: Any, tokenizer: Any, *, tolerance: float
+    sampler: OpenAISampler,
+    served_name: str,
+    model: Any,
+    tokenizer: Any,
+    *,
+    tolerance: float,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> ProbeResult:
-    """Score ``probe_prompts`` on the engine under ``served_name`` and locally with ``model``; raise
-    ``EngineRefused`` (one line) when the worst prompt's mean absolute difference exceeds ``tolerance``."""
-    prompts = probe_prompts(tokenizer)
-    remote = sampler.prompt_logprobs(prompts, adapter=served_name)
+    """Score ``prompts`` (default ``probe_prompts``) on the engine under ``served_name`` and locally with
+    ``model``; raise ``EngineRefused`` (one line) when the worst prompt's mean absolute difference exceeds
+    ``tolerance`` (or any figure is not a number)."""
+    prompts = probe_prompts(tokenizer) if prompts is None else [list(p) for p in prompts]
+    remote = sampler.prompt_logprobs(prompts, adapter=served_name)  # finite, checked
     local = local_prompt_logprobs(model, prompts)
     diffs = [[abs(a - b) for a, b in zip(r, loc, strict=True)] for r, loc in zip(remote, local, strict=True)]
-    mean_abs = max(sum(d) / len(d) for d in diffs if d)
-    max_abs = max(max(d) for d in diffs if d)
+    means = [sum(d) / len(d) for d in diffs if d]
+    # NaN (a local forward gone wrong) compares false: max() would skip it unless first; count it as inf
+    mean_abs = max((m if m == m else math.inf for m in means), default=0.0)
+    max_abs = max((x if x == x else math.inf for d in diffs for x in d), default=0.0)
     result = ProbeResult(served_name, mean_abs, max_abs, sum(map(len, diffs)))
-    if not mean_abs <= tolerance:  # NaN refuses too
+    if not mean_abs <= tolerance:
         raise EngineRefused(
             f"rollout engine at {sampler.url} refused for adapter {served_name!r}: its log-probabilities differ "
             f"from the trainer's by {mean_abs:.4g} (mean absolute over a probe prompt; largest token "
@@ -306,7 +369,11 @@ def parity_probe(
     return result
 
 
-_OPENAI: dict[tuple[str, str | None], OpenAISampler] = {}  # one per engine and key: its probes are kept
+# one per engine, key and tokenizer (its probes are kept), the most recently used last; a sampler decodes
+# texts and probes with its own tokenizer, never one swapped in by another thread's caller
+_OPENAI: dict[tuple[str, str | None, int], OpenAISampler] = {}
+_OPENAI_LOCK = threading.Lock()
+MAX_SAMPLERS = 8
 
 
 def sampler_for(
@@ -326,8 +393,10 @@ def sampler_for(
         raise RatchetError(
             "RATCHET_ROLLOUT_ENGINE=openai needs RATCHET_ROLLOUT_ENGINE_URL (the vLLM / SGLang server's URL)"
         )
-    key = (settings.rollout_engine_url, settings.rollout_engine_api_key)
-    if key not in _OPENAI:
-        _OPENAI[key] = OpenAISampler(key[0], api_key=key[1], tokenizer=tokenizer)
-    _OPENAI[key].tokenizer = tokenizer  # the probe prompts are the caller's base's
-    return _OPENAI[key]
+    key = (settings.rollout_engine_url, settings.rollout_engine_api_key, id(tokenizer))
+    with _OPENAI_LOCK:  # the sampler holds its tokenizer: the id is not reused while it is kept
+        found = _OPENAI.pop(key, None) or OpenAISampler(key[0], api_key=key[1], tokenizer=tokenizer)
+        _OPENAI[key] = found
+        while len(_OPENAI) > MAX_SAMPLERS:
+            _OPENAI.pop(next(iter(_OPENAI)))
+        return found

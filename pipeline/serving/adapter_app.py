@@ -72,7 +72,7 @@ from pipeline.serving.protocol import (
 )
 from pipeline.serving.runtime import BASE, Abort
 from pipeline.serving.server import install_error_handlers
-from pipeline.serving.textcompletions import install_completions
+from pipeline.serving.textcompletions import UNLOADED, install_completions
 from pipeline.settings import get_settings
 from pipeline.specs.loading import file_sha256
 
@@ -314,12 +314,17 @@ def create_adapter_app(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     install_completions(
-        app, engine, access=access, names=names, max_body_bytes=max_body_bytes, unloaded=unloaded
+        app,
+        engine,
+        access=access,
+        names=names,
+        max_body_bytes=max_body_bytes,
+        unloaded=unloaded,
+        inflight=inflight,
     )
     return app
 
 
-UNLOADED = "unloaded"  # the abort reason (and finish reason) of a request whose model was unloaded
 CALL_FORMAT = "json"  # a forced call is decoded as the renderer's JSON and answered as native tool_calls
 
 

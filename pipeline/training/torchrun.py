@@ -126,8 +126,9 @@ def launch(
         env = {**os.environ, "PYTHONWARNINGS": "ignore::RuntimeWarning:runpy"}
         log.info("training %s across %d processes: %s", job.output_dir.name, processes, " ".join(command))
         tail: deque[str] = deque(maxlen=60)
+        # errors="replace": a library's non-UTF-8 output must not end the launch with a UnicodeDecodeError
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) as proc:  # fmt: skip
+                              errors="replace", env=env) as proc:  # fmt: skip
             assert proc.stdout is not None
             for line in proc.stdout:
                 if line.startswith(PROGRESS) and progress is not None:
@@ -185,7 +186,7 @@ SIGNALLED = ("SignalException", "KeyboardInterrupt", "SystemExit")
 def _failure(job: Job, processes: int, code: int | None, tail: list[str]) -> Exception:
     """The error a failed launch raises: the first failing process's own error (by its kind) when it wrote
     one, else torchrun's exit code and the end of its output."""
-    errors = [(path, json.loads(path.read_text())) for path in job.errors.glob("rank*.json")]
+    errors = [(path, error) for path in job.errors.glob("rank*.json") if (error := _error_in(path))]
     # the root cause first: the earliest error, and never the stop torchrun then sent the others (SIGTERM)
     errors.sort(key=lambda e: (e[1]["kind"] in SIGNALLED, e[0].stat().st_mtime_ns))
     for path, error in errors:
@@ -202,6 +203,18 @@ def _failure(job: Job, processes: int, code: int | None, tail: list[str]) -> Exc
         f"training {job.output_dir.name} across {processes} processes: torchrun exited {code}\n"
         + "\n".join(tail)
     )
+
+
+def _error_in(path: Path) -> dict[str, Any] | None:
+    """A process's error file, or None when it cannot be read (cut short: torchrun stopped the process)."""
+    try:
+        error = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        log.warning("%s: unreadable error file, skipped", path.name)
+        return None
+    keys = {"kind": str, "ratchet": bool, "message": str}
+    ok = isinstance(error, dict) and all(isinstance(error.get(k), t) for k, t in keys.items())
+    return error if ok else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.replace(partial, job.result)
     except BaseException as exc:
         error = {"kind": type(exc).__name__, "ratchet": isinstance(exc, RatchetError), "message": str(exc)}
-        (job.errors / f"rank{here.rank}.json").write_text(json.dumps(error))
+        partial = job.errors / f"rank{here.rank}.partial"  # whole or absent: torchrun may stop us mid-write
+        partial.write_text(json.dumps(error))
+        os.replace(partial, job.errors / f"rank{here.rank}.json")
         raise
     finally:
         dist.destroy_process_group()

@@ -279,3 +279,190 @@ def test_answer_items_on_the_openai_engine_equal_the_embedded_answers(built, ser
     assert {m["id"]: m["parent"] for m in listed}[versioned_name(built["new"], "chat")] == server.base
     sampled = answer_items(pair, items, num_samples=2, temperature=1.0, seed=3)
     assert [len(t) for t in sampled["chat"]] == [2, 2, 2]
+
+
+class HostileEngine:
+    """A loopback server speaking the protocol's shape with whatever ``reply(request body)`` returns
+    (``(status, bytes)``): a buggy or hostile engine."""
+
+    def __init__(self, reply):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                return None
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "base", "object": "model",
+                                                                        "parent": None}]}).encode())  # fmt: skip
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(*reply(body))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> HostileEngine:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def choice(index=0, ids=(5, 6), logprobs=(-0.5, -1.0), text="", **extra):
+    return {"index": index, "text": text, "token_ids": list(ids), "finish_reason": "length",
+            "logprobs": {"token_logprobs": list(logprobs), "tokens": [], "top_logprobs": []}, **extra}  # fmt: skip
+
+
+def replying(choices):
+    return lambda body: (
+        200,
+        json.dumps({"id": "x", "object": "text_completion", "choices": choices}).encode(),
+    )
+
+
+HOSTILE_REPLIES = {
+    "no token_ids": replying([{**choice(), "token_ids": None}]),
+    "id beyond the vocabulary": replying([choice(ids=(5, 10**6))]),
+    "negative id": replying([choice(ids=(-1, 6))]),
+    "float id": replying([choice(ids=(5.0, 6))]),
+    "bool id": replying([choice(ids=(True, 6))]),
+    "NaN logprob": replying([choice(logprobs=(float("nan"), -1.0))]),
+    "positive logprob": replying([choice(logprobs=(3.0, -1.0))]),
+    "string logprob": replying([choice(logprobs=("-1", -1.0))]),
+    "fewer logprobs": replying([choice(logprobs=(-1.0,))]),
+    "more tokens than max_tokens": replying([choice(ids=(5,) * 9, logprobs=(-1.0,) * 9)]),
+    "fewer choices than n": replying([choice(0)]),
+    "a choice twice": replying([choice(0), choice(0)]),
+    "a third choice with a string index": replying([choice(0), choice(1), choice("x")]),
+    "choices not a list": replying({"0": choice()}),
+    "a choice not an object": replying([choice(0), 7]),
+    "logprobs not an object": replying([{**choice(), "logprobs": [1]}]),
+    "not JSON": lambda body: (200, b"<html>oops</html>"),
+    "an error with a multi-line body": lambda body: (500, b'{"error": {"message": "a\\nb\\nTraceback"}}'),
+}
+
+
+@pytest.mark.parametrize("reply", HOSTILE_REPLIES.values(), ids=HOSTILE_REPLIES.keys())
+def test_a_hostile_engines_reply_is_one_refusal_line(built, reply):
+    """Whatever the engine sends back, sampling ends in one ``EngineRefused`` line, never a traceback of
+    another kind and never a sample the loop would train on."""
+    _, tok = local(built, None)
+    with HostileEngine(reply) as engine:
+        sampler = OpenAISampler(engine.url, api_key=None, tokenizer=tok, timeout=10)
+        sampler.client = sampler.client.with_options(max_retries=0)
+        config = SamplingConfig(temperature=1.0, num_samples=2, max_new_tokens=8, seed=1)
+        with pytest.raises(EngineRefused) as refused:
+            sampler.sample([[1, 2, 3]], config, adapter="base")
+    assert "\n" not in str(refused.value) and engine.url in str(refused.value)
+
+
+def test_the_text_is_what_the_ids_say(built):
+    """The engine's text is not trusted: each sample's text is decoded here from its ids (end token dropped,
+    cut at the stop string), so rewards and training see what was sampled."""
+    _, tok = local(built, None)
+    ids = tok.encode("ab;cd", add_special_tokens=False) + [tok.eos_token_id]
+    reply = replying([choice(0, ids=ids, logprobs=[-1.0] * len(ids), text="I AM SOMETHING ELSE")])
+    with HostileEngine(reply) as engine:
+        sampler = OpenAISampler(engine.url, api_key=None, tokenizer=tok, timeout=10)
+        config = SamplingConfig(temperature=1.0, max_new_tokens=8, stop=(";",))
+        ((s,),) = sampler.sample([[1, 2, 3]], config, adapter="base")
+    assert s.text == "ab" and s.token_ids == tuple(ids)
+
+
+def test_a_nan_in_a_later_probe_prompt_refuses(built):
+    """The first probe prompt scored exactly, the others NaN: max() over the prompts' figures skipped NaN
+    after the first, so the probe passed on numbers it never compared."""
+    model, tok = local(built, None)
+    prompts = probe_prompts(tok)
+    exact = {tuple(p): lp for p, lp in zip(prompts, local_prompt_logprobs(model, prompts), strict=True)}
+
+    def reply(body):
+        prompt = body["prompt"]
+        values = exact[tuple(prompt)] if prompt == prompts[0] else [float("nan")] * (len(prompt) - 1)
+        rows = [None] + [{str(t): {"logprob": v, "rank": 1}} for t, v in zip(prompt[1:], values, strict=True)]
+        return replying([{**choice(0, ids=(5,), logprobs=(-1.0,)), "prompt_logprobs": rows}])(body)
+
+    with HostileEngine(reply) as engine:
+        sampler = OpenAISampler(engine.url, api_key=None, tokenizer=tok, timeout=10)
+        with pytest.raises(EngineRefused) as refused:
+            sampler.ready(None, name="base", model=model, tolerance=0.05)
+    assert "\n" not in str(refused.value) and "nan" in str(refused.value).lower()
+    assert "base" not in sampler.probed
+
+
+class RecognisingProxy(StaleProxy):
+    """A server that knows the fixed probe: probe prompts go to the adapter asked for, every other prompt to
+    ``stale`` (the load is forwarded for real)."""
+
+    def __init__(self, target: str, stale: str, probe: list[list[int]]):
+        super().__init__(target, stale)
+        handler = self.server.RequestHandlerClass
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.loads(raw)
+            if not self.path.endswith("/completions") or body.get("prompt") in probe:
+                r = httpx.post(target + self.path, content=raw, timeout=60,
+                               headers={"Authorization": self.headers["Authorization"],
+                                        "Content-Type": "application/json"})  # fmt: skip
+            else:
+                r = httpx.post(target + self.path, json={**body, "model": stale}, timeout=60,
+                               headers={"Authorization": self.headers["Authorization"]})  # fmt: skip
+            self._send(r.status_code, r.content, r.headers["content-type"])
+
+        handler.do_POST = do_POST
+
+
+def test_a_server_that_recognises_the_probe_is_caught_on_the_real_prompts(built, server):
+    """The fixed probe passes (it is answered with the right weights), but a few of the prompts the caller
+    is about to sample, drawn at random, are probed too and the stale weights behind them refuse."""
+    model, tok = local(built, "new")
+    old = OpenAISampler(server.url, api_key=KEY, tokenizer=tok).load(built["old"], name="chat")
+    real = [tok.encode(f"what is {i}+{i}? answer briefly please", add_special_tokens=False) for i in range(6)]
+    with RecognisingProxy(server.url, stale=old, probe=probe_prompts(tok)) as proxy:
+        sampler = OpenAISampler(proxy.url, api_key=KEY, tokenizer=tok)
+        with pytest.raises(EngineRefused, match="differ from the trainer's"):
+            sampler.ready(built["new"], name="chat", model=model, tolerance=0.05, prompts=real)
+        # the fixed probe alone is fooled: that is why the real prompts are drawn
+        assert sampler.ready(built["new"], name="chat", model=model, tolerance=0.05)
+
+
+def test_an_engine_that_is_down_is_one_refusal_line(built):
+    """Nothing listens: listing, sampling and unloading each end in one ``EngineRefused`` line."""
+    _, tok = local(built, None)
+    with HostileEngine(replying([])) as engine:
+        url = engine.url
+    sampler = OpenAISampler(url, api_key=None, tokenizer=tok, timeout=5)
+    sampler.client = sampler.client.with_options(max_retries=0)
+    for call in (sampler.base_model, lambda: sampler.unload("x-123")):
+        with pytest.raises(EngineRefused) as refused:
+            call()
+        assert "\n" not in str(refused.value) and url in str(refused.value)
+
+
+def test_a_sampler_keeps_its_own_tokenizer(built):
+    """Two callers with different bases on one engine (collection and a GRPO job in one worker): each gets a
+    sampler decoding with its own tokenizer; the first's is not swapped for the second's mid-flight."""
+    from transformers import AutoTokenizer
+
+    from pipeline.modeling.samplers import sampler_for
+    from pipeline.settings import Settings
+
+    settings = Settings(
+        rollout_engine="openai", rollout_engine_url="http://127.0.0.1:9", rollout_engine_api_key=None
+    )
+    one, two = (AutoTokenizer.from_pretrained(built["base"]) for _ in range(2))
+    first = sampler_for(settings, tokenizer=one)
+    second = sampler_for(settings, tokenizer=two)
+    assert first is not second and first.tokenizer is one and second.tokenizer is two
+    assert sampler_for(settings, tokenizer=one) is first  # its probes are kept
