@@ -209,7 +209,8 @@ class ChatRequest(BaseModel):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     return_token_ids: StrictBool | None = None  # vLLM's: prompt_token_ids and each choice's token_ids
-    seed: StrictInt | None = None
+    # torch's generators take 64-bit seeds: a larger one crashed the whole decoding batch
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     metadata: dict[str, Any] | None = None  # stored with the trace: what the deployment knows (`expected`...)
 
     _numbers = field_validator("temperature", "top_p", mode="before")(_no_str_or_bool)

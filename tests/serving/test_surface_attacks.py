@@ -344,3 +344,18 @@ def test_nan_and_infinity_are_a_400(served, path, raw):
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_a_seed_outside_int64_is_a_400_and_fails_no_one_else(served, seed):
+    """torch's generator takes 64-bit seeds: a larger one crashed the shared decoding batch (a 500, and every
+    other client's row in that batch failed with it). It is refused at the door, naming ``seed``."""
+    import concurrent.futures
+
+    ask = {"model": "ratchet", "messages": [{"role": "user", "content": "3+4=?"}], "max_tokens": 8}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        honest = pool.submit(post, served, "/v1/chat/completions", {**ask, "seed": 1, "temperature": 1.0})
+        hostile = pool.submit(post, served, "/v1/chat/completions", {**ask, "seed": seed, "temperature": 1.0})
+        reply, other = hostile.result(), honest.result()
+    assert reply.status_code == 400 and "seed" in reply.text, reply.text
+    assert other.status_code == 200, other.text
