@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,12 +144,38 @@ def _call(tool_call: dict[str, Any]) -> dict[str, Any]:
     return from_openai([tool_call])[0]
 
 
-def served_policy(model: Any, sampler: OpenAISampler, directory: Path, *, name: str, tolerance: float) -> str:
+def first_prompts(
+    tokenizer: Any, items: list[dict[str, Any]], episodes: Episodes, *, fmt: str
+) -> list[list[int]]:
+    """The token ids of ``items``' first-turn prompts as ``roll_out`` encodes them (a prompt the template
+    refuses is left out): what the engine is about to be asked, for the parity probe's spot check."""
+    from jinja2 import TemplateError
+
+    prompts = []
+    for item in items:
+        tools = (item.get("metadata") or {}).get("tools") or episodes.tools or None
+        try:
+            prompts.append(encode_prompt(tokenizer, episodes.view(item["messages"]), fmt=fmt, tools=tools))
+        except TemplateError:
+            continue
+    return prompts
+
+
+def served_policy(
+    model: Any,
+    sampler: OpenAISampler,
+    directory: Path,
+    *,
+    name: str,
+    tolerance: float,
+    prompts: Sequence[Sequence[int]] = (),
+) -> str:
     """The name the ``openai`` engine samples ``model``'s policy under: its active adapter saved alone (not the
     reference beside it) to ``directory`` (replaced; it must be readable by the engine), loaded there as
-    ``{name}-{sha256[:12]}`` and parity-probed against ``model`` (``samplers.OpenAISampler.ready``:
-    ``EngineRefused`` when the engine does not serve these weights)."""
+    ``{name}-{sha256[:12]}`` and parity-probed against ``model`` on the fixed probe and on a few of
+    ``prompts`` drawn at random (the step's own: a server that recognises the fixed probe is caught there;
+    ``samplers.OpenAISampler.ready``: ``EngineRefused`` when the engine does not serve these weights)."""
     directory = Path(directory)
     shutil.rmtree(directory, ignore_errors=True)
     model.save_pretrained(directory, selected_adapters=[model.active_adapter], safe_serialization=True)
-    return sampler.ready(directory, name=name, model=model, tolerance=tolerance)
+    return sampler.ready(directory, name=name, model=model, tolerance=tolerance, prompts=prompts)

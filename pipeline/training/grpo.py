@@ -71,7 +71,7 @@ from pipeline.training.distributed import (
     split,
     world,
 )
-from pipeline.training.episodes import Episodes, roll_out, served_policy
+from pipeline.training.episodes import Episodes, first_prompts, roll_out, served_policy
 from pipeline.training.job import (
     LOSS_POINTS,
     ROW_ERRORS,
@@ -234,8 +234,9 @@ def train_grpo(
             else:  # the policy as it is now, on the engine: saved, loaded by versioned name, probed
                 served = None
                 try:
+                    asked = first_prompts(tokenizer, batch, episodes, fmt=tool_call_format)
                     served = served_policy(model, engine, output_dir / ROLLOUT_ADAPTER, name=f"{output_dir.name}-grpo",
-                                           tolerance=loop.parity_tolerance)  # fmt: skip
+                                           tolerance=loop.parity_tolerance, prompts=asked)  # fmt: skip
                     rolled = roll_out(model, tokenizer, batch, episodes, settings, fmt=tool_call_format,
                                       seed=_step_seed(seed, step), sampler=engine, adapter=served)  # fmt: skip
                 finally:

@@ -254,3 +254,25 @@ def test_an_engine_serving_other_weights_under_the_policys_name_is_refused(engin
     message = str(refused.value)
     assert "\n" not in message and repr(name) in message and "stale" in message
     assert not (tmp_path / "job" / "rollout-adapter").exists()
+
+
+def test_an_engine_that_recognises_the_fixed_probe_is_caught_on_the_steps_prompts(
+    engine_models, engine, tmp_path, monkeypatch
+):
+    """An engine that answers the fixed probe prompts with the policy's weights and every other prompt with
+    an older adapter's passes the fixed probe; the step's own prompts, spot-checked, refuse it in one line."""
+    from modeling.test_samplers import RecognisingProxy
+    from transformers import AutoTokenizer
+
+    from pipeline.modeling.samplers import EngineRefused, OpenAISampler, probe_prompts
+    from pipeline.settings import get_settings
+
+    tok = AutoTokenizer.from_pretrained(engine_models["base"])
+    old = OpenAISampler(engine.url, api_key=KEY, tokenizer=tok).load(engine_models["old"], name="old")
+    with RecognisingProxy(engine.url, stale=old, probe=probe_prompts(tok)) as proxy:
+        monkeypatch.setenv("RATCHET_ROLLOUT_ENGINE_URL", proxy.url)
+        get_settings.cache_clear()
+        with pytest.raises(EngineRefused) as refused:
+            train_grpo(base_model_dir=engine_models["base"], output_dir=tmp_path / "job", episodes=_lengthy(),
+                       settings=ENGINE_SETTINGS, lora=LORA, parent_adapter_dir=engine_models["parent"])  # fmt: skip
+    assert "\n" not in str(refused.value) and "differ from the trainer's" in str(refused.value)
