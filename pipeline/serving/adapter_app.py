@@ -68,6 +68,7 @@ from pipeline.serving.protocol import (
     new_completion_id,
     parse_body,
     sse,
+    unknown_model,
     usage_of,
 )
 from pipeline.serving.runtime import BASE, Abort
@@ -198,12 +199,7 @@ def create_adapter_app(
         await access.require(request, "chat")
         req = parse_body(await read_body(request, max_body_bytes), ChatRequest)
         if req.model not in names:
-            raise ApiError(
-                404,
-                f"model {req.model!r} does not exist: adapters are {', '.join(names)}",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(req.model, names)
         refusal = _refusal(req)
         if refusal is not None:
             raise refusal

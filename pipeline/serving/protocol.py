@@ -48,6 +48,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def unknown_model(model: str, names: Any) -> ApiError:
+    """The 404 of a ``model`` an adapter server (``--expose-adapters``) does not serve, naming those it does."""
+    return ApiError(
+        404, f"model {model!r} does not exist: adapters are {', '.join(names)}", param="model",
+        code="model_not_found",
+    )  # fmt: skip
+
+
 def _no_str_or_bool(value: Any) -> Any:
     if isinstance(value, (str, bool)):
         raise ValueError("must be a number")

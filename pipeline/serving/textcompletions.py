@@ -46,7 +46,7 @@ from pipeline.modeling.templating import encode_text
 from pipeline.serving.access import Access
 from pipeline.serving.engines import EmbeddedEngine
 from pipeline.serving.limits import read_body, watch_disconnect
-from pipeline.serving.protocol import ApiError, parse_body, usage_of
+from pipeline.serving.protocol import ApiError, parse_body, unknown_model, usage_of
 from pipeline.serving.runtime import UNKNOWN, Abort, GenerationRequest, GenerationResult, MixtureRuntime
 
 UNLOADED = "unloaded"  # the abort (and finish) reason of a request whose model was unloaded
@@ -146,12 +146,7 @@ def install_completions(
         await access.require(request, "chat")
         req = parse_body(await read_body(request, max_body_bytes), CompletionRequest)
         if req.model not in names:
-            raise ApiError(
-                404,
-                f"model {req.model!r} does not exist: adapters are {', '.join(names)}",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(req.model, names)
         for flag in ("stream", "echo"):
             if getattr(req, flag):
                 raise ApiError(400, f"{flag} is not supported by this endpoint", param=flag)
