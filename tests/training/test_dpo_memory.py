@@ -5,33 +5,24 @@ weights is ever run."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from pipeline.environment import training_corpus
-from pipeline.environment.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
+from pipeline.environment.tinymodel import build_tokenizer
 from pipeline.loop.curation import save_dataset
 from pipeline.modeling.placement import placement
 from pipeline.specs.modelspec import DpoSettings, LoraConfig
-from pipeline.training import TrainConfig, batch_indices, train_lora, write_dataset
+from pipeline.training import batch_indices
 from pipeline.training.dpo import encode_pairs, pair_lengths, pair_logprobs, reference_logprobs, train_dpo
 from pipeline.training.likelihood import optimizer, policy_model, reference_of
 from pipeline.training.memory import micro_batches
+from training.support import base_weight_copies
 
-SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                        max_position_embeddings=96, bootstrap_steps=40, bootstrap_batch_size=32,
-                        corpus_size=400, seed=2)  # fmt: skip
 LORA = LoraConfig(rank=4, alpha=8)
 SETTINGS = DpoSettings(beta=0.5, lr=5e-3, batch_size=8, max_steps=4, sft_weight=0.5)
 BUDGET = 120  # packed tokens: two or three pairs of this data per micro-batch
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
 
 
 def _rows(n: int) -> list[dict]:
@@ -52,34 +43,6 @@ def pairs_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs") / "ds"
     save_dataset(_rows(32), path)
     return path
-
-
-@pytest.fixture(scope="module")
-def parent(base_dir, tmp_path_factory):
-    """An SFT adapter that moved the base: a reference that is not the bare base."""
-    work = tmp_path_factory.mktemp("parent")
-    write_dataset(training_corpus(120, seed=4), work / "sft")
-    return train_lora(base_model_dir=base_dir, dataset_dir=work / "sft", output_dir=work / "job",
-                      config=TrainConfig(rank=4, alpha=8, max_steps=10, batch_size=16, lr=5e-3)).adapter_dir  # fmt: skip
-
-
-@contextlib.contextmanager
-def base_weight_copies() -> Iterator[set[int]]:
-    """The storage of every token-embedding weight a forward runs while the block runs (a second copy of
-    the base, such as a merged reference model, is a second address)."""
-    import torch
-
-    seen: set[int] = set()
-
-    def hook(module, args, output):
-        if isinstance(module, torch.nn.Embedding):
-            seen.add(module.weight.untyped_storage().data_ptr())
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 def _adapter(result):

@@ -5,60 +5,21 @@ the base's weights is ever run."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 
 from pipeline.environment import sample_prompts, training_corpus
-from pipeline.environment.tinymodel import TinyModelConfig, build_tokenizer, ensure_tiny_model
+from pipeline.environment.tinymodel import build_tokenizer
 from pipeline.modeling.placement import placement
 from pipeline.scoring import EpisodeReward
 from pipeline.specs.modelspec import GrpoSettings, LoraConfig
-from pipeline.training import TrainConfig, train_lora, write_dataset
 from pipeline.training.grpo import Episodes, policy_update, train_grpo
 from pipeline.training.likelihood import encode_episode, policy_model, reference_of, sequence_logprobs
 from pipeline.training.memory import micro_batches
+from training.support import base_weight_copies
 
-SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                        max_position_embeddings=96, bootstrap_steps=40, bootstrap_batch_size=32,
-                        corpus_size=400, seed=2)  # fmt: skip
 LORA = LoraConfig(rank=4, alpha=8)
 SETTINGS = GrpoSettings(group_size=4, prompts_per_step=4, steps=3, lr=1e-2, kl_beta=0.1)
 BUDGET = 100  # packed tokens: one to three episodes of this data per micro-batch
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return ensure_tiny_model(config=SMALL, cache_dir=tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def parent(base_dir, tmp_path_factory):
-    """An SFT adapter that moved the base: a reference that is not the bare base."""
-    work = tmp_path_factory.mktemp("parent")
-    write_dataset(training_corpus(120, seed=4), work / "sft")
-    return train_lora(base_model_dir=base_dir, dataset_dir=work / "sft", output_dir=work / "job",
-                      config=TrainConfig(rank=4, alpha=8, max_steps=10, batch_size=16, lr=5e-3)).adapter_dir  # fmt: skip
-
-
-@contextlib.contextmanager
-def base_weight_copies() -> Iterator[set[int]]:
-    """The storage of every token-embedding weight a forward runs while the block runs (a second copy of
-    the base, such as a merged reference model, is a second address)."""
-    import torch
-
-    seen: set[int] = set()
-
-    def hook(module, args, output):
-        if isinstance(module, torch.nn.Embedding):
-            seen.add(module.weight.untyped_storage().data_ptr())
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 def _digits(trace) -> float:
